@@ -1,0 +1,126 @@
+"""The `maxtext-moe` command line.
+
+Every user-facing failure is a `UserError`: printed as one line `maxtext-moe: error: ...` with
+exit status 2. `--traceback` shows the full stack for those and for everything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from typing import Any, Sequence
+
+from maxtext_moe import __version__, recipe
+from maxtext_moe.errors import UserError
+from maxtext_moe.resolved import ResolvedRecipe
+
+DEFAULT_RECIPE = "deepseek3-tiny-cpu"
+
+
+def resolve(ref: str, overrides: Sequence[str]) -> ResolvedRecipe:
+    from maxtext_moe.validate import resolve as _resolve
+
+    return _resolve(recipe.compose(ref, overrides))
+
+
+def _split_recipe(args: list[str]) -> tuple[str, list[str]]:
+    """`[RECIPE] [key=value ...]`: a first word without '=' names the recipe."""
+    if args and "=" not in args[0]:
+        return args[0], args[1:]
+    return DEFAULT_RECIPE, args
+
+
+def _yaml_scalar(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, str) else json.dumps(value, default=str)
+
+
+def render_show(r: ResolvedRecipe) -> str:
+    """The resolved recipe as YAML, each value annotated with the file or override it came from."""
+    lines = [f"# recipe {r.name}: {r.description}", f"# composed from: {', '.join(r.files)}"]
+    t = r.topology
+    lines += ["topology:",
+              f"  hardware: {t.hardware}  # {r.sources.get('topology.hardware', '')}",
+              f"  nodes: {t.nodes}  # {r.sources.get('topology.nodes', 'default')}",
+              f"  gpus_per_node: {t.gpus_per_node}  # {r.sources.get('topology.gpus_per_node', 'hardware default')}",
+              f"  # {t.num_devices} device(s) in all"]
+    for section, values, prefix in (("maxtext", r.maxtext, "maxtext"), ("env", r.env, "env"),
+                                    ("corpus", r.corpus or {}, "corpus")):
+        if not values:
+            continue
+        lines.append(f"{section}:")
+        width = max(len(k) for k in values) + 2
+        for key in sorted(values):
+            src = r.sources.get(f"{prefix}.{key}", "derived from xla_flags" if key == "XLA_FLAGS" else "")
+            lines.append(f"  {(key + ':').ljust(width)} {_yaml_scalar(values[key])}  # {src}")
+    return "\n".join(lines)
+
+
+def cmd_list(_: argparse.Namespace) -> int:
+    names = recipe.recipe_names()
+    width = max(len(n) for n in names)
+    for name in names:
+        desc = str(recipe.load_yaml(recipe.find_recipe(name)).get("description", "")).strip().splitlines()
+        marker = " (default)" if name == DEFAULT_RECIPE else ""
+        print(f"{name.ljust(width)}  {desc[0] if desc else ''}{marker}")
+    return 0
+
+
+def cmd_show(a: argparse.Namespace) -> int:
+    resolved = resolve(a.recipe, a.overrides)
+    print(json.dumps(resolved.to_dict(), indent=2, default=str) if a.json else render_show(resolved))
+    return 0
+
+
+def cmd_train(a: argparse.Namespace) -> int:
+    from maxtext_moe import launch
+
+    ref, overrides = _split_recipe(a.args)
+    launch.train(resolve(ref, overrides), force=a.force, verbose=a.verbose)
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="maxtext-moe", description="DeepSeek-V3 MoE training recipes on MaxText.")
+    p.add_argument("--version", action="version", version=f"maxtext-moe {__version__}")
+    p.add_argument("--traceback", action="store_true", help="show the full Python traceback on errors")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    t = sub.add_parser("train", help="train a recipe (default: the tiny CPU DeepSeek-V3)",
+                       description="Train RECIPE (default %s), resuming from its latest checkpoint." % DEFAULT_RECIPE)
+    t.add_argument("args", nargs="*", metavar="[RECIPE] [key=value]", help="recipe name or .yml path, then overrides")
+    t.add_argument("--force", action="store_true",
+                   help="if the run folder holds another recipe's checkpoints, set them aside (renamed) and start fresh")
+    t.add_argument("--verbose", action="store_true", help="stream MaxText's full log to the terminal")
+    t.set_defaults(func=cmd_train)
+
+    s = sub.add_parser("show", help="print the resolved configuration with where each value came from")
+    s.add_argument("recipe", help="recipe name or .yml path")
+    s.add_argument("overrides", nargs="*", metavar="key=value")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.set_defaults(func=cmd_show)
+
+    ls = sub.add_parser("list", help="list the recipes")
+    ls.set_defaults(func=cmd_list)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as e:
+        if args.traceback:
+            traceback.print_exc()
+        print(f"maxtext-moe: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("maxtext-moe: interrupted; the latest complete checkpoint is kept and a re-run resumes from it.",
+              file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - a bug or an upstream failure: one line unless --traceback
+        if args.traceback:
+            raise
+        print(f"maxtext-moe: error: {type(e).__name__}: {e} (run with --traceback for details)", file=sys.stderr)
+        return 1

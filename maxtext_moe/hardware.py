@@ -1,0 +1,55 @@
+"""Hardware profiles: the facts about a device kind that checks and estimates need.
+
+MaxText knows only `hardware=gpu|cpu|tpu`; it cannot tell a Hopper from a Blackwell, so it cannot
+refuse MXFP8 experts on an H200 before compiling. These profiles fill that gap. Figures are the
+vendors' dense (no sparsity) peaks, cited in ../shared/DESIGN.md section 3; `measured_*` fields are
+rates measured on the lent H200 and are used only where stated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    maxtext_hardware: str  # MaxText's `hardware` key for this device kind
+    compute_capability: tuple[int, int] | None
+    peak_bf16_tflops: float
+    peak_fp8_tflops: float | None  # None: no FP8 matrix units
+    hbm_gb: float  # vendor figure, 10^9 bytes
+    hbm_tbps: float
+    intra_node_gbps: float  # per direction, per device (NVLink)
+    inter_node_gbps: float  # per direction, per device (network)
+    host_link_gbps: float  # per direction, device <-> host memory
+    gpus_per_node: int
+    mxfp8: bool  # block-scaled FP8 (Blackwell and later)
+
+    @property
+    def hbm_gib(self) -> float:
+        return self.hbm_gb * 1e9 / 2**30
+
+    @property
+    def fp8(self) -> bool:
+        return self.peak_fp8_tflops is not None
+
+
+PROFILES: dict[str, Hardware] = {
+    p.name: p
+    for p in (
+        Hardware("cpu", "cpu", None, 0.0, None, 0.0, 0.0, 0.0, 0.0, 0.0, 1, False),
+        Hardware("h100", "gpu", (9, 0), 989.0, 1979.0, 80.0, 3.35, 450.0, 50.0, 64.0, 8, False),
+        Hardware("h200", "gpu", (9, 0), 989.0, 1979.0, 141.0, 4.8, 450.0, 50.0, 64.0, 8, False),
+        Hardware("gb200", "gpu", (10, 0), 2500.0, 5000.0, 186.0, 8.0, 900.0, 100.0, 450.0, 72, True),
+        Hardware("gb300", "gpu", (10, 3), 2500.0, 5000.0, 288.0, 8.0, 900.0, 100.0, 450.0, 72, True),
+    )
+}
+
+
+def profile(name: str) -> Hardware:
+    """The profile called `name`; a `KeyError` names the known ones."""
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise KeyError(f"unknown hardware {name!r}; known: {', '.join(sorted(PROFILES))}") from None

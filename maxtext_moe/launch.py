@@ -1,0 +1,99 @@
+"""Run MaxText's pre-training loop for a resolved recipe.
+
+The order is the point: guard the run folder, build the corpus, set the recipe's environment
+(XLA_FLAGS and friends are read when jax starts, so nothing here imports jax before this), check
+the keys with MaxText's own model, then call MaxText's `train.main` with exactly those keys.
+MaxText's full INFO log goes to `<run>/maxtext.log`; the terminal gets one progress line a step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+from maxtext_moe import corpus, maxtext_check, run_dir
+from maxtext_moe.errors import UserError
+from maxtext_moe.progress import Progress
+from maxtext_moe.resolved import ResolvedRecipe
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    output: Path
+    run: Path
+
+    @property
+    def metrics(self) -> Path:
+        return self.run / "metrics.jsonl"
+
+    @property
+    def log(self) -> Path:
+        return self.run / "maxtext.log"
+
+
+def run_paths(resolved: ResolvedRecipe) -> RunPaths:
+    out = Path(str(resolved.maxtext.get("base_output_directory") or "runs")).expanduser().resolve()
+    return RunPaths(out, out / str(resolved.maxtext.get("run_name") or resolved.name))
+
+
+@contextmanager
+def _maxtext_logging(log_file: Path, verbose: bool) -> Iterator[None]:
+    """Send MaxText's (absl/Python) log to `log_file`; to the terminal only with --verbose."""
+    root = logging.getLogger()
+    handlers: list[logging.Handler] = [logging.FileHandler(log_file, encoding="utf-8")]
+    handlers[0].setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    console = logging.StreamHandler(sys.stderr)
+    console.setLevel(logging.INFO if verbose else logging.ERROR)
+    handlers.append(console)
+    old_level = root.level
+    root.setLevel(logging.INFO)
+    for h in handlers:
+        root.addHandler(h)
+    try:
+        yield
+    finally:
+        for h in handlers:
+            root.removeHandler(h)
+            h.close()
+        root.setLevel(old_level)
+
+
+def train(resolved: ResolvedRecipe, *, force: bool = False, verbose: bool = False,
+          out: Callable[[str], None] = print) -> dict | None:
+    """Train `resolved` to its `steps`, resuming from the latest checkpoint; returns the last metrics."""
+    rp = run_paths(resolved)
+    found = run_dir.prepare(rp.run, resolved.checkpoint_identity(), force=force, log=out)
+    steps = int(resolved.effective("steps"))
+    start = 0 if found.latest is None else found.latest + 1
+    if start >= steps:
+        out(f"{rp.run}: already trained {start} of {steps} steps; nothing to do. Raise steps=N to train further.")
+        return None
+    maxtext = dict(resolved.maxtext, base_output_directory=str(rp.output), run_name=rp.run.name,
+                   metrics_file=str(rp.metrics))
+    if resolved.corpus is not None:
+        source = resolved.sources.get("corpus.source", resolved.name)
+        maxtext["grain_train_files"] = corpus.prepare(resolved.corpus, source, rp.output / "corpus", log=out)
+    os.environ.update(resolved.env)
+    config = maxtext_check.check(maxtext, resolved.sources)
+    out(f"{resolved.name}: {config.num_decoder_layers} decoder layers, {resolved.topology.num_devices} device(s) of {resolved.topology.hardware}, "
+        + (f"resuming from step {start}" if start else "starting from scratch")
+        + f", training to step {steps}; checkpoints and TensorBoard in {rp.run}, MaxText log in {rp.log}")
+    from maxtext.trainers.pre_train import train as maxtext_train
+
+    with _maxtext_logging(rp.log, verbose), Progress(rp.metrics, steps, out=out) as progress:
+        try:
+            maxtext_train.main(maxtext_check.argv(maxtext))
+        except Exception as e:
+            if start and progress.last is None:
+                raise UserError(
+                    f"MaxText could not resume from the checkpoint at step {found.latest} in {rp.run / 'checkpoints'}: "
+                    f"{type(e).__name__}: {e}. Nothing was deleted.",
+                    fix="move that step's folder aside to resume from an earlier one, or choose another run_name; "
+                        f"details in {rp.log}.") from e
+            raise
+    return progress.last
