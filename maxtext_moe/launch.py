@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from maxtext_moe import corpus, maxtext_check, run_dir
+from maxtext_moe import corpus, maxtext_check, maxtext_keys, run_dir
 from maxtext_moe.errors import UserError
 from maxtext_moe.progress import Progress
 from maxtext_moe.resolved import ResolvedRecipe
@@ -43,8 +43,17 @@ def run_paths(resolved: ResolvedRecipe) -> RunPaths:
 
 @contextmanager
 def _maxtext_logging(log_file: Path, verbose: bool) -> Iterator[None]:
-    """Send MaxText's (absl/Python) log to `log_file`; to the terminal only with --verbose."""
+    """Send MaxText's (absl/Python) log to `log_file`; to the terminal only with --verbose.
+
+    Importing MaxText's training module installs its own INFO console handler on the root logger;
+    the import happens inside this context, and handlers that are not ours are silenced here.
+    """
+    from maxtext.trainers.pre_train import train as _  # noqa: F401  (installs upstream handlers now)
+
     root = logging.getLogger()
+    upstream = [(h, h.level) for h in root.handlers]
+    for h, _level in upstream:
+        h.setLevel(logging.INFO if verbose else logging.ERROR)
     handlers: list[logging.Handler] = [logging.FileHandler(log_file, encoding="utf-8")]
     handlers[0].setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     console = logging.StreamHandler(sys.stderr)
@@ -60,6 +69,8 @@ def _maxtext_logging(log_file: Path, verbose: bool) -> Iterator[None]:
         for h in handlers:
             root.removeHandler(h)
             h.close()
+        for h, level in upstream:
+            h.setLevel(level)
         root.setLevel(old_level)
 
 
@@ -79,6 +90,9 @@ def train(resolved: ResolvedRecipe, *, force: bool = False, verbose: bool = Fals
         source = resolved.sources.get("corpus.source", resolved.name)
         maxtext["grain_train_files"] = corpus.prepare(resolved.corpus, source, rp.output / "corpus", log=out)
     os.environ.update(resolved.env)
+    # MaxText 0.2.5 looks for its tokenizers under a source checkout's src/maxtext/assets; point it at
+    # the installed package's copy so `tokenizer_path: tokenizer.llama2` works from a pip install.
+    os.environ.setdefault("MAXTEXT_ASSETS_ROOT", str(maxtext_keys.assets_dir()))
     config = maxtext_check.check(maxtext, resolved.sources)
     out(f"{resolved.name}: {config.num_decoder_layers} decoder layers, {resolved.topology.num_devices} device(s) of {resolved.topology.hardware}, "
         + (f"resuming from step {start}" if start else "starting from scratch")
