@@ -62,6 +62,16 @@ def _example(text: str) -> bytes:
     return ex.SerializeToString()
 
 
+def default_dir(output: Path) -> Path:
+    """Where a recipe's corpus lives: shared by every run under one output folder."""
+    return output / "corpus"
+
+
+def file_pattern(out_dir: Path) -> str:
+    """The `grain_train_files` pattern for a corpus written to `out_dir`."""
+    return str(out_dir / "corpus-*.arrayrecord")
+
+
 def check(corpus: dict[str, Any], source: str) -> tuple[str, float, int]:
     """(source, max_mib, shards) from a recipe's `corpus` section, or a user error."""
     kind = corpus.get("source")
@@ -88,7 +98,7 @@ def prepare(corpus: dict[str, Any], source: str, out_dir: Path, log: Callable[[s
         "chunk_chars": CHUNK_CHARS,
         "inputs": hashlib.sha256("\n".join(f"{p}:{p.stat().st_size}" for p in files).encode()).hexdigest()[:16],
     }
-    pattern = str(out_dir / "corpus-*.arrayrecord")
+    pattern = file_pattern(out_dir)
     manifest = out_dir / MANIFEST
     if manifest.is_file():
         try:

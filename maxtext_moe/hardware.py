@@ -23,8 +23,10 @@ class Hardware:
     intra_node_gbps: float  # per direction, per device (NVLink)
     inter_node_gbps: float  # per direction, per device (network)
     host_link_gbps: float  # per direction, device <-> host memory
-    gpus_per_node: int
+    gpus_per_node: int  # GPUs per host (one process each, or one process per host)
     mxfp8: bool  # block-scaled FP8 (Blackwell and later)
+    nvlink_domain: int  # GPUs that reach each other at intra_node_gbps (NVL72 racks span 18 hosts)
+    host_mem_gb: float  # host memory per GPU (DGX H100/H200: 2 TB per 8 GPUs; Grace: 480 GB per 2 GPUs)
 
     @property
     def hbm_gib(self) -> float:
@@ -38,11 +40,11 @@ class Hardware:
 PROFILES: dict[str, Hardware] = {
     p.name: p
     for p in (
-        Hardware("cpu", "cpu", None, 0.0, None, 0.0, 0.0, 0.0, 0.0, 0.0, 1, False),
-        Hardware("h100", "gpu", (9, 0), 989.0, 1979.0, 80.0, 3.35, 450.0, 50.0, 64.0, 8, False),
-        Hardware("h200", "gpu", (9, 0), 989.0, 1979.0, 141.0, 4.8, 450.0, 50.0, 64.0, 8, False),
-        Hardware("gb200", "gpu", (10, 0), 2500.0, 5000.0, 186.0, 8.0, 900.0, 100.0, 450.0, 72, True),
-        Hardware("gb300", "gpu", (10, 3), 2500.0, 5000.0, 288.0, 8.0, 900.0, 100.0, 450.0, 72, True),
+        Hardware("cpu", "cpu", None, 0.0, None, 0.0, 0.0, 0.0, 0.0, 0.0, 1, False, 1, 0.0),
+        Hardware("h100", "gpu", (9, 0), 989.0, 1979.0, 80.0, 3.35, 450.0, 50.0, 64.0, 8, False, 8, 256.0),
+        Hardware("h200", "gpu", (9, 0), 989.0, 1979.0, 141.0, 4.8, 450.0, 50.0, 64.0, 8, False, 8, 256.0),
+        Hardware("gb200", "gpu", (10, 0), 2500.0, 5000.0, 186.0, 8.0, 900.0, 100.0, 450.0, 4, True, 72, 240.0),
+        Hardware("gb300", "gpu", (10, 3), 2500.0, 5000.0, 288.0, 8.0, 900.0, 100.0, 450.0, 4, True, 72, 240.0),
     )
 }
 

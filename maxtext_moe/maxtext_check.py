@@ -32,9 +32,12 @@ def check(maxtext: dict[str, Any], sources: dict[str, str]) -> Any:
         return pyconfig._initialize_pydantic(argv(dict(maxtext, log_config=False)))
     except pydantic.ValidationError as e:
         err = e.errors()[0]
-        key = str(err["loc"][0]) if err.get("loc") else None
-        where = sources.get(f"maxtext.{key}", "MaxText's defaults") if key else None
-        raise UserError(f"MaxText rejects it: {err['msg']} (got {err.get('input')!r}).", key=key, source=where,
+        if not err.get("loc"):  # a whole-model rule: MaxText's message names the keys
+            raise UserError(f"MaxText rejects the configuration: {err['msg']}",
+                            fix="adjust the keys it names; `maxtext-moe show RECIPE` tells where each comes from.") from None
+        key = str(err["loc"][0])
+        raise UserError(f"MaxText rejects it: {err['msg']} (got {err.get('input')!r}).", key=key,
+                        source=sources.get(f"maxtext.{key}", "MaxText's defaults"),
                         fix="see the key's description in MaxText's configs/types.py.") from None
     except (ValueError, AssertionError, TypeError, KeyError) as e:
         raise UserError(f"MaxText rejects the configuration: {e}",

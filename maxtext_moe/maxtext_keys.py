@@ -8,6 +8,7 @@ catalogue for "unknown key" and type checks at no import cost.
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib.util
 from pathlib import Path
@@ -43,9 +44,34 @@ def assets_dir() -> Path:
 
 @functools.cache
 def defaults() -> dict[str, Any]:
-    """Every MaxText key with its base.yml default."""
+    """Every MaxText key with its base.yml default, plus keys only its pydantic model declares.
+
+    base.yml does not list every key the model accepts (maxtext 0.2.5 lacks `prefuse_moe_weights`,
+    which `te_moe_block=true` requires), so those are read from configs/types.py without importing it.
+    """
     with open(base_yml(), encoding="utf-8") as f:
-        return yaml.safe_load(f)
+        keys = yaml.safe_load(f)
+    return {**_pydantic_only_defaults(), **keys}
+
+
+def _pydantic_only_defaults() -> dict[str, Any]:
+    """`name: T = Field(default, ...)` declarations in MaxText's configs/types.py with a literal, non-None default.
+
+    None defaults are left out: they mark derived or list-valued settings (e.g. `ici_parallelism`) that a
+    recipe should not set and that the mesh check must not mistake for mesh axes.
+    """
+    tree = ast.parse((maxtext_package_dir() / "configs" / "types.py").read_text(encoding="utf-8"))
+    found: dict[str, Any] = {}
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(node.value, ast.Call)
+                and getattr(node.value.func, "id", None) == "Field" and node.value.args):
+            try:
+                value = ast.literal_eval(node.value.args[0])
+            except ValueError:
+                continue
+            if value is not None:
+                found[node.target.id] = value
+    return found
 
 
 @functools.cache

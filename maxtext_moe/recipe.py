@@ -67,7 +67,7 @@ class Composition:
 
 def suggest(word: str, choices: list[str] | tuple[str, ...]) -> str:
     """' Did you mean X?' or '' when nothing is close."""
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.75)
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return f" Did you mean '{close[0]}'?" if close else ""
 
 

@@ -15,8 +15,12 @@ from typing import Any
 from maxtext_moe import maxtext_keys
 from maxtext_moe.hardware import Hardware, profile
 
-# Keys outside MaxText's model files that still change the shape or layout of saved parameters.
-_CHECKPOINT_SHAPE_KEYS = ("model_name", "vocab_size", "weight_dtype", "scan_layers", "mtp_num_layers")
+# Keys that change the shape or layout of saved parameters, besides those a MaxText model file sets.
+_CHECKPOINT_SHAPE_KEYS = (
+    "model_name", "vocab_size", "weight_dtype", "scan_layers", "mtp_num_layers", "base_emb_dim",
+    "base_num_query_heads", "base_num_kv_heads", "base_mlp_dim", "base_moe_mlp_dim", "base_num_decoder_layers",
+    "head_dim", "num_experts", "first_num_dense_layers", "shared_experts", "q_lora_rank", "kv_lora_rank",
+)
 
 
 @dataclass(frozen=True)
@@ -57,7 +61,6 @@ class ResolvedRecipe:
     def checkpoint_identity(self) -> dict[str, Any]:
         """What a checkpoint written by this recipe must match to be resumed by it."""
         keys = set(_CHECKPOINT_SHAPE_KEYS) | set(maxtext_keys.model_defaults(str(self.maxtext.get("model_name", "default"))))
-        keys |= {k for k in self.maxtext if k.startswith("base_") or k in ("num_experts", "first_num_dense_layers")}
         shape = {k: self.effective(k) for k in sorted(keys)}
         digest = hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:16]
         return {"recipe": self.name, "model_digest": digest, "model": shape}

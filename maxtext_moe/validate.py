@@ -10,8 +10,10 @@ each error names the key, the file and the fix. `maxtext_check` then runs MaxTex
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable
 
+from maxtext_moe import corpus as corpus_files
 from maxtext_moe import maxtext_keys
 from maxtext_moe.errors import UserError
 from maxtext_moe.hardware import PROFILES, Hardware
@@ -155,7 +157,8 @@ class _Checker:
                           "set te_gmm_quantization: te_no_quant (BF16) or te_mxfp8 (Blackwell).")
 
     def mesh(self, topo: Topology) -> None:
-        axes = [k for k in maxtext_keys.defaults() if k.startswith("ici_") and k.endswith("_parallelism")]
+        axes = [k for k, v in maxtext_keys.defaults().items()  # the per-axis sizes, not MaxText's derived list
+                if k.startswith("ici_") and k.endswith("_parallelism") and isinstance(v, int)]
         total = topo.num_devices
         known, fill = 1, []
         for key in axes:
@@ -174,7 +177,8 @@ class _Checker:
             self.fail(key, f"the mesh ({sizes}) does not fit {total} devices "
                            f"({topo.nodes} node(s) x {topo.gpus_per_node}).",
                       "make the product of the ici_*_parallelism sizes equal the device count, or set one to -1.")
-        for key in (k for k in maxtext_keys.defaults() if k.startswith("dcn_") and k.endswith("_parallelism")):
+        for key in (k for k, v in maxtext_keys.defaults().items()
+                    if k.startswith("dcn_") and k.endswith("_parallelism") and isinstance(v, int)):
             if self.value(key) not in (1, -1):
                 self.fail(key, "is not 1, but on GPUs and CPUs MaxText sees all devices as one slice.",
                           "put the size in the matching ici_*_parallelism key instead.")
@@ -220,5 +224,9 @@ def resolve(comp: Composition) -> ResolvedRecipe:
     sources = {f"{section}.{k}": v.source for section, values in comp.sections.items() for k, v in values.items()}
     sources["maxtext.hardware"] = f"derived from topology.hardware ({sources.get('topology.hardware')})"
     corpus = {k: v.value for k, v in comp.sections["corpus"].items()} or None
+    if corpus is not None and not maxtext.get("grain_train_files"):
+        out = Path(str(maxtext.get("base_output_directory") or "runs"))
+        maxtext["grain_train_files"] = corpus_files.file_pattern(corpus_files.default_dir(out))
+        sources["maxtext.grain_train_files"] = f"derived from the corpus section ({sources.get('corpus.source')})"
     return ResolvedRecipe(name=comp.name, description=comp.description, maxtext=maxtext, env=_env(comp),
                           topology=topo, corpus=corpus, sources=sources, files=list(comp.files))
