@@ -1,0 +1,106 @@
+"""The planner against MaxText's own numbers: FLOPs by MaxText's formula, state memory by XLA."""
+
+from __future__ import annotations
+
+import io
+import contextlib
+import re
+
+import pytest
+
+from maxtext_moe import cli, maxtext_check
+from maxtext_moe.errors import UserError
+from maxtext_moe.plan import Model, estimate, flops, layout, memory
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize("ref,overrides", [
+    ("deepseek3-tiny-cpu", []),
+    ("deepseek3-671b-gb200-128", []),
+    ("deepseek3-671b-full-gb200-128", []),  # group routing + MTP
+    ("deepseek3-671b-h200-128", ["max_target_length=8192", "per_device_batch_size=1"]),
+])
+def test_flops_match_maxtext(ref: str, overrides: list[str]) -> None:
+    """Our per-token count x tokens/device equals MaxText's calculate_tflops_training_per_device."""
+    from maxtext.utils.maxtext_utils import calculate_tflops_training_per_device
+
+    r = cli.resolve(ref, overrides)
+    config = maxtext_check.check(r.maxtext, r.sources)
+    theirs, _, _ = calculate_tflops_training_per_device(config, log=False)
+    f = flops.per_token(Model.from_recipe(r), config.max_target_length)
+    ours = f.maxtext * config.per_device_batch_size * config.max_target_length / 1e12
+    assert ours == pytest.approx(theirs, rel=1e-9)
+
+
+def test_deepseek_v3_published_flops_per_token() -> None:
+    """~250 GFLOP/token without MTP and ~260 with one MTP layer at 4K (DESIGN.md), within 2%."""
+    no_mtp = estimate(cli.resolve("deepseek3-671b-gb200-128", []))
+    mtp = estimate(cli.resolve("deepseek3-671b-full-gb200-128", []))
+    assert no_mtp.flops.total / 1e9 == pytest.approx(250, rel=0.02)
+    assert mtp.flops.total / 1e9 == pytest.approx(260, rel=0.02)
+    assert mtp.flops.maxtext < mtp.flops.total  # MaxText leaves out MTP's projection and head pass
+    assert Model.from_recipe(cli.resolve("deepseek3-671b-gb200-128", [])).main_params / 1e9 == pytest.approx(671, rel=0.005)
+
+
+def test_published_gb200_recipe_fits_and_reports_consumers() -> None:
+    p = estimate(cli.resolve("deepseek3-671b-gb200-128", []))
+    assert p.fits
+    assert p.layout.fsdp == 16 and p.layout.ep == 8
+    text = p.render()
+    assert "-> fits" in text and "largest:" in text
+    j = p.to_json()
+    for key in ("fits", "memory_per_gpu_gib", "gflops_per_token", "predicted_tflops_per_gpu"):
+        assert key in j
+    # Offloading the MoE up-projection moves bytes from HBM to host: none are offloaded under full remat.
+    full = estimate(cli.resolve("deepseek3-671b-gb200-128", ["remat_policy=full"]))
+    assert full.memory.host_total == 0 and p.memory.host_total > 0
+
+
+def test_memory_falls_with_more_gpus_and_dedup_cuts_all_to_all() -> None:
+    r = cli.resolve("deepseek3-671b-h200-128", [])
+    small, big = estimate(r, gpus=64), estimate(r, gpus=256)
+    assert big.memory.device["parameters"] == pytest.approx(small.memory.device["parameters"] / 4)
+    assert not small.fits
+    assert 0 < big.a2a["per_rank_dedup"] < big.a2a["per_expert"]
+
+
+def test_bad_planner_inputs_name_the_fix() -> None:
+    r = cli.resolve("deepseek3-671b-h200-128", [])
+    with pytest.raises(UserError, match=r"--gpus 100 is not a multiple of the other mesh axes \(product 8"):
+        estimate(r, gpus=100)
+    with pytest.raises(UserError, match=r"unknown GPU type 'h300'\. Did you mean 'h200'\?"):
+        estimate(r, gpu_type="h300")
+    with pytest.raises(UserError, match=r"remat_policy: is 'save_everything', which plan does not model"):
+        estimate(cli.resolve("deepseek3-671b-h200-128", ["remat_policy=save_everything"]))
+
+
+def test_cli_plan_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["plan", "deepseek3-671b-gb200-128"]) == 0
+    assert "fits" in capsys.readouterr().out
+    assert cli.main(["plan", "deepseek3-671b-gb200-128", "--gpus", "100"]) == 2
+    assert "not a multiple" in capsys.readouterr().err
+
+
+def test_state_memory_matches_xla_arguments_on_cpu_proxy() -> None:
+    """Parameters + AdamW state as the planner counts them vs XLA's compiled argument size.
+
+    MaxText's train_compile on XLA:CPU (compile_topology=a3 lowers for the local devices) gives the
+    argument bytes of the train step: parameters, mu, nu (and a step counter). Its temp bytes are not
+    compared: XLA:CPU's lowering is not the GPU's (see docs/PLAN.md).
+    """
+    from maxtext.trainers.pre_train import train_compile
+
+    r = cli.resolve("deepseek3-tiny-cpu", ["per_device_batch_size=1"])
+    mt = dict(r.maxtext, compile_topology="a3", compile_topology_num_slices=1, enable_checkpointing=False,
+              dataset_type="synthetic")
+    for key in ("tokenizer_path", "tokenizer_type", "grain_file_type", "train_data_columns", "grain_worker_count",
+                "packing"):
+        mt.pop(key, None)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        train_compile.main(maxtext_check.argv(mt))
+    xla_args = int(re.search(r"argument_size_in_bytes=(\d+)", out.getvalue()).group(1))
+    mem = memory.per_gpu(Model.from_recipe(r), layout.from_recipe(r))
+    ours = mem.device["parameters"] + mem.device["optimizer state (AdamW mu, nu)"]
+    assert ours == pytest.approx(xla_args, rel=0.02)
