@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from maxtext_moe import corpus, maxtext_check, maxtext_keys, run_dir
+from maxtext_moe import corpus, distributed, maxtext_check, maxtext_keys, run_dir
 from maxtext_moe.errors import UserError
 from maxtext_moe.progress import Progress
 from maxtext_moe.resolved import ResolvedRecipe
@@ -78,18 +78,25 @@ def train(resolved: ResolvedRecipe, *, force: bool = False, verbose: bool = Fals
           out: Callable[[str], None] = print) -> dict | None:
     """Train `resolved` to its `steps`, resuming from the latest checkpoint; returns the last metrics."""
     rp = run_paths(resolved)
-    found = run_dir.prepare(rp.run, resolved.checkpoint_identity(), force=force, log=out)
+    os.environ.update(resolved.env)
+    # Several processes: start jax.distributed now, before any device use, so that process 0 alone
+    # guards the run folder and writes the corpus while the others wait (distributed.leader_first).
+    proc = distributed.initialize(resolved.topology, timeout_s=int(resolved.effective("jax_distributed_initialization_timeout")))
+    out = out if proc.is_leader else distributed.quiet
+    with distributed.leader_first(proc, "run folder"):
+        found = (run_dir.prepare(rp.run, resolved.checkpoint_identity(), force=force, log=out) if proc.is_leader
+                 else run_dir.scan(rp.run / "checkpoints"))
     steps = int(resolved.effective("steps"))
     start = 0 if found.latest is None else found.latest + 1
     if start >= steps:
         out(f"{rp.run}: already trained {start} of {steps} steps; nothing to do. Raise steps=N to train further.")
         return None
     maxtext = dict(resolved.maxtext, base_output_directory=str(rp.output), run_name=rp.run.name,
-                   metrics_file=str(rp.metrics))
+                   metrics_file=str(rp.metrics) if proc.is_leader else "")  # MaxText appends from every process
     if resolved.corpus is not None:
         source = resolved.sources.get("corpus.source", resolved.name)
-        maxtext["grain_train_files"] = corpus.prepare(resolved.corpus, source, rp.output / "corpus", log=out)
-    os.environ.update(resolved.env)
+        with distributed.leader_first(proc, "corpus"):
+            maxtext["grain_train_files"] = corpus.prepare(resolved.corpus, source, corpus.default_dir(rp.output), log=out)
     # MaxText 0.2.5 looks for its tokenizers under a source checkout's src/maxtext/assets; point it at
     # the installed package's copy so `tokenizer_path: tokenizer.llama2` works from a pip install.
     os.environ.setdefault("MAXTEXT_ASSETS_ROOT", str(maxtext_keys.assets_dir()))
@@ -99,7 +106,7 @@ def train(resolved: ResolvedRecipe, *, force: bool = False, verbose: bool = Fals
         + f", training to step {steps}; checkpoints and TensorBoard in {rp.run}, MaxText log in {rp.log}")
     from maxtext.trainers.pre_train import train as maxtext_train
 
-    with _maxtext_logging(rp.log, verbose), Progress(rp.metrics, steps, out=out) as progress:
+    with _maxtext_logging(proc.per_process(rp.log), verbose), Progress(rp.metrics, steps, out=out) as progress:
         try:
             maxtext_train.main(maxtext_check.argv(maxtext))
         except Exception as e:
