@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 import traceback
+from pathlib import Path
 from typing import Any, Sequence
 
 from maxtext_moe import __version__, recipe
@@ -81,6 +82,45 @@ def cmd_train(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(a: argparse.Namespace) -> int:
+    from maxtext_moe import bench
+
+    result = bench.run(resolve(a.recipe, a.overrides), steps=a.steps, warmup=a.warmup)
+    if a.out:
+        bench.write_json(result, Path(a.out))
+    print(json.dumps(result.to_json(), indent=2, default=str) if a.json else result.render())
+    return 0
+
+
+def cmd_doctor(a: argparse.Namespace) -> int:
+    from maxtext_moe import doctor
+
+    ref, overrides = _split_recipe(a.args)
+    return doctor.run(resolve(ref, overrides), as_json=a.json)
+
+
+def cmd_launch(a: argparse.Namespace) -> int:
+    from maxtext_moe import cluster
+
+    resolved = resolve(a.recipe, [*a.overrides, f"topology.nodes={a.nodes}"])
+    cluster.check_fits(resolved)
+    print(cluster.render(resolved, "slurm" if a.slurm else "k8s", image=a.image, time=a.time), end="")
+    return 0
+
+
+def cmd_plan(a: argparse.Namespace) -> int:
+    from maxtext_moe import plan
+
+    resolved = resolve(a.recipe, a.overrides)
+    if a.search:
+        ranked = plan.search.rank(resolved, gpus=a.gpus, gpu_type=a.gpu_type)
+        print(json.dumps([p.to_json() for p in ranked], indent=2) if a.json else plan.search.render(ranked))
+        return 0
+    result = plan.estimate(resolved, gpus=a.gpus, gpu_type=a.gpu_type)
+    print(json.dumps(result.to_json(), indent=2) if a.json else result.render())
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="maxtext-moe", description="DeepSeek-V3 MoE training recipes on MaxText.")
     p.add_argument("--version", action="version", version=f"maxtext-moe {__version__}")
@@ -101,13 +141,62 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(func=cmd_show)
 
+    pl = sub.add_parser("plan", help="memory, FLOPs, communication and step time per GPU, before launch")
+    pl.add_argument("recipe", help="recipe name or .yml path")
+    pl.add_argument("overrides", nargs="*", metavar="key=value")
+    pl.add_argument("--gpus", type=int, help="plan for this many GPUs (FSDP absorbs the change)")
+    pl.add_argument("--gpu-type", help="plan for this hardware profile (h100, h200, gb200, gb300)")
+    pl.add_argument("--search", action="store_true", help="rank layouts (FSDP x EP x PP, batch, remat) that fit")
+    pl.add_argument("--json", action="store_true", help="machine-readable output")
+    pl.set_defaults(func=cmd_plan)
+
+    d = sub.add_parser("doctor", help="what the recipe needs (GPU, TE, NCCL, FP8) against what this machine has")
+    d.add_argument("args", nargs="*", metavar="[RECIPE] [key=value]", help="recipe name or .yml path, then overrides")
+    d.add_argument("--json", action="store_true", help="machine-readable output")
+    d.set_defaults(func=cmd_doctor)
+
+    la = sub.add_parser("launch", help="print the SLURM batch script or Kubernetes Job that trains RECIPE on N nodes",
+                        description="Print the job for RECIPE on --nodes N, after the planner has checked that it fits.")
+    la.add_argument("recipe", help="recipe name or .yml path")
+    la.add_argument("overrides", nargs="*", metavar="key=value")
+    target = la.add_mutually_exclusive_group(required=True)
+    target.add_argument("--slurm", action="store_true", help="sbatch script: pyxis/enroot container, one task per GPU")
+    target.add_argument("--k8s", action="store_true", help="indexed Job + headless coordinator Service, one pod per node")
+    la.add_argument("--nodes", type=int, required=True, help="number of nodes (sets topology.nodes)")
+    la.add_argument("--image", help="container image (default: what scripts/build_container.sh produces)")
+    la.add_argument("--time", default="04:00:00", help="SLURM time limit (default %(default)s)")
+    la.set_defaults(func=cmd_launch)
+
+    b = sub.add_parser("bench", help="time warm-up + N real training steps and report them against the plan")
+    b.add_argument("recipe", help="recipe name or .yml path")
+    b.add_argument("overrides", nargs="*", metavar="key=value")
+    b.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
+    b.add_argument("--warmup", type=int, default=3, help="untimed steps first: compilation, autotuning (default 3)")
+    b.add_argument("--json", action="store_true", help="machine-readable output")
+    b.add_argument("--out", help="also write the JSON result to this file")
+    b.set_defaults(func=cmd_bench)
+
     ls = sub.add_parser("list", help="list the recipes")
     ls.set_defaults(func=cmd_list)
     return p
 
 
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse, letting `key=value` overrides stand after options too (`train --force steps=9`)."""
+    p = parser()
+    args, extra = p.parse_known_args(argv)
+    words = [w for w in extra if "=" in w and not w.startswith("-")]
+    target = next((getattr(args, n) for n in ("overrides", "args") if isinstance(getattr(args, n, None), list)), None)
+    rest = [w for w in extra if w not in words] if target is not None else extra
+    if rest:
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
+    if target is not None:
+        target.extend(words)
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    args = _parse(argv)
     try:
         return args.func(args)
     except UserError as e:

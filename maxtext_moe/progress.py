@@ -15,6 +15,15 @@ from pathlib import Path
 from typing import Callable
 
 
+def read_metrics(path: Path) -> dict[int, dict]:
+    """Step -> MaxText's scalars from a metrics file; a resumed run appends, later lines win."""
+    out: dict[int, dict] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        m = json.loads(line)
+        out[int(m["step"])] = m
+    return out
+
+
 def _duration(seconds: float) -> str:
     seconds = int(max(seconds, 0))
     h, rem = divmod(seconds, 3600)

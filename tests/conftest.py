@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 import subprocess
@@ -10,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from maxtext_moe import progress
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -26,11 +27,7 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, env: dict |
 
 def read_metrics(run_dir: Path) -> dict[int, dict]:
     """Step -> MaxText's scalars from the run's metrics file (a resumed run appends)."""
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        m = json.loads(line)
-        out[int(m["step"])] = m
-    return out
+    return progress.read_metrics(run_dir / "metrics.jsonl")
 
 
 def tensorboard_tags(event_file: Path) -> set[str]:
