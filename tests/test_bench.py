@@ -1,0 +1,32 @@
+"""`maxtext-moe bench` on the CPU: real steps, a summary consistent with MaxText's own per-step log."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+
+from conftest import FAST, read_metrics, run_cli
+
+pytestmark = pytest.mark.slow
+
+
+def test_bench_reports_the_timed_steps(tmp_path):
+    out = tmp_path / "bench.json"
+    r = run_cli("bench", "deepseek3-tiny-cpu", "--steps", "4", "--warmup", "2", "--out", str(out),
+                f"base_output_directory={tmp_path}", *FAST, "corpus.max_mib=1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["warmup_steps"] == 2 and result["timed_steps"] == 4
+    run = next(tmp_path.glob("deepseek3-tiny-cpu-bench-*"))
+    metrics = read_metrics(run)
+    assert sorted(metrics) == list(range(6))
+    times = [metrics[s]["perf/step_time_seconds"] for s in range(2, 6)]
+    assert result["step_s_median"] == pytest.approx(statistics.median(times))
+    assert result["tokens_per_step"] == 2 * 128
+    assert result["tokens_per_s_per_gpu"] == pytest.approx(256 / result["step_s_median"])
+    assert result["loss_last"] < result["loss_first"]
+    assert result["predicted_step_s"] is None and result["mfu_bf16"] is None  # the CPU has no peak to compare
+    assert not (run / "checkpoints").exists()
+    assert "step time" in r.stdout and "model TFLOPS/GPU" in r.stdout
