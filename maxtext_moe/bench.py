@@ -5,7 +5,8 @@ against a stated peak, no peak device memory, and no comparison with a predictio
 the recipe through the same launcher as `train` (warm-up steps, then timed steps, no checkpoints),
 reads MaxText's per-step scalars back, and reports median/min/max step time, tokens/s/GPU, model
 TFLOPS/GPU by the planner's FLOPs-per-token convention, MFU, peak device memory and the planner's
-predicted step time; it fails when the loss is not finite or not falling over the timed steps.
+predicted step time. A run whose loss is not finite or not falling over the timed steps is still
+reported (the figures are what they are) but marked, and the command then exits non-zero.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class BenchResult:
     predicted_step_s: float | None
     loss_first: float
     loss_last: float
+    loss_finite_and_falling: bool  # mean of the second half of the timed steps below the first half's
     date: str
     settings: dict[str, Any]
 
@@ -111,12 +113,8 @@ def run(resolved: ResolvedRecipe, *, steps: int, warmup: int, out: Callable[[str
                         fix=f"see {launch.run_paths(bench_recipe).log}.")
     times = [m["perf/step_time_seconds"] for m in timed]
     losses = [m["learning/loss"] for m in timed]
-    if not all(math.isfinite(v) for v in losses):
-        raise UserError(f"the loss is not finite over the timed steps: {losses}.")
     half = len(losses) // 2
-    if statistics.mean(losses[half:]) >= statistics.mean(losses[:half]):
-        raise UserError(f"the loss did not fall over the timed steps ({losses[0]:.4f} -> {losses[-1]:.4f}).",
-                        fix="check the learning rate and data; a benchmark of a model that does not learn is void.")
+    learning = all(math.isfinite(v) for v in losses) and statistics.mean(losses[half:]) < statistics.mean(losses[:half])
     median = statistics.median(times)
     devices = resolved.topology.num_devices
     tokens = int(round(timed[0]["perf/per_device_tokens"] * devices))
@@ -134,6 +132,7 @@ def run(resolved: ResolvedRecipe, *, steps: int, warmup: int, out: Callable[[str
         peak_device_memory_gib=_peak_device_memory_gib(),
         host_peak_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         predicted_step_s=predicted.step_s if predicted else None, loss_first=losses[0], loss_last=losses[-1],
+        loss_finite_and_falling=learning,
         date=time.strftime("%Y-%m-%d"), settings=maxtext,
     )
 

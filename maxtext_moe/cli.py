@@ -89,6 +89,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
     if a.out:
         bench.write_json(result, Path(a.out))
     print(json.dumps(result.to_json(), indent=2, default=str) if a.json else result.render())
+    if not result.loss_finite_and_falling:
+        raise UserError(f"the loss was not finite and falling over the timed steps ({result.loss_first:.4f} -> "
+                        f"{result.loss_last:.4f}); a benchmark of a model that does not learn is void.",
+                        fix="check the learning rate and the data.")
     return 0
 
 
