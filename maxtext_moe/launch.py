@@ -8,10 +8,11 @@ MaxText's full INFO log goes to `<run>/maxtext.log`; the terminal gets one progr
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -45,10 +46,13 @@ def run_paths(resolved: ResolvedRecipe) -> RunPaths:
 def _maxtext_logging(log_file: Path, verbose: bool) -> Iterator[None]:
     """Send MaxText's (absl/Python) log to `log_file`; to the terminal only with --verbose.
 
-    Importing MaxText's training module installs its own INFO console handler on the root logger;
-    the import happens inside this context, and handlers that are not ours are silenced here.
+    Importing MaxText's training module installs its own INFO console handler on the root logger
+    and prints a line per optional Google Cloud dependency it stubs out; the import happens here,
+    its printing goes to the log file, and handlers that are not ours are silenced.
     """
-    from maxtext.trainers.pre_train import train as _  # noqa: F401  (installs upstream handlers now)
+    chatter = io.StringIO()
+    with redirect_stdout(chatter):
+        from maxtext.trainers.pre_train import train as _  # noqa: F401  (installs upstream handlers now)
 
     root = logging.getLogger()
     upstream = [(h, h.level) for h in root.handlers]
@@ -63,6 +67,8 @@ def _maxtext_logging(log_file: Path, verbose: bool) -> Iterator[None]:
     root.setLevel(logging.INFO)
     for h in handlers:
         root.addHandler(h)
+    for line in chatter.getvalue().splitlines():
+        logging.getLogger("maxtext-moe").info("MaxText import: %s", line)
     try:
         yield
     finally:
@@ -100,21 +106,25 @@ def train(resolved: ResolvedRecipe, *, force: bool = False, verbose: bool = Fals
     # MaxText 0.2.5 looks for its tokenizers under a source checkout's src/maxtext/assets; point it at
     # the installed package's copy so `tokenizer_path: tokenizer.llama2` works from a pip install.
     os.environ.setdefault("MAXTEXT_ASSETS_ROOT", str(maxtext_keys.assets_dir()))
-    config = maxtext_check.check(maxtext, resolved.sources)
-    out(f"{resolved.name}: {config.num_decoder_layers} decoder layers, {resolved.topology.num_devices} device(s) of {resolved.topology.hardware}, "
-        + (f"resuming from step {start}" if start else "starting from scratch")
-        + f", training to step {steps}; checkpoints and TensorBoard in {rp.run}, MaxText log in {rp.log}")
-    from maxtext.trainers.pre_train import train as maxtext_train
+    # MaxText imports transformers for tokenizer and model-config classes; its start-up notices
+    # (no PyTorch, RoPE config names) say nothing about this run.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    with _maxtext_logging(proc.per_process(rp.log), verbose):
+        config = maxtext_check.check(maxtext, resolved.sources)
+        out(f"{resolved.name}: {config.num_decoder_layers} decoder layers, {resolved.topology.num_devices} device(s) "
+            f"of {resolved.topology.hardware}, " + (f"resuming from step {start}" if start else "starting from scratch")
+            + f", training to step {steps}; checkpoints and TensorBoard in {rp.run}, MaxText log in {rp.log}")
+        from maxtext.trainers.pre_train import train as maxtext_train
 
-    with _maxtext_logging(proc.per_process(rp.log), verbose), Progress(rp.metrics, steps, out=out) as progress:
-        try:
-            maxtext_train.main(maxtext_check.argv(maxtext))
-        except Exception as e:
-            if start and progress.last is None:
-                raise UserError(
-                    f"MaxText could not resume from the checkpoint at step {found.latest} in {rp.run / 'checkpoints'}: "
-                    f"{type(e).__name__}: {e}. Nothing was deleted.",
-                    fix="move that step's folder aside to resume from an earlier one, or choose another run_name; "
-                        f"details in {rp.log}.") from e
-            raise
+        with Progress(rp.metrics, steps, out=out) as progress:
+            try:
+                maxtext_train.main(maxtext_check.argv(maxtext))
+            except Exception as e:
+                if start and progress.last is None:
+                    raise UserError(
+                        f"MaxText could not resume from the checkpoint at step {found.latest} in "
+                        f"{rp.run / 'checkpoints'}: {type(e).__name__}: {e}. Nothing was deleted.",
+                        fix="move that step's folder aside to resume from an earlier one, or choose another run_name; "
+                            f"details in {rp.log}.") from e
+                raise
     return progress.last
