@@ -82,6 +82,14 @@ def cmd_train(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_checkpoints(a: argparse.Namespace) -> int:
+    from maxtext_moe import launch, run_dir
+
+    ref, overrides = _split_recipe(a.args)
+    print(run_dir.describe(launch.run_paths(resolve(ref, overrides)).run))
+    return 0
+
+
 def cmd_bench(a: argparse.Namespace) -> int:
     from maxtext_moe import bench
 
@@ -179,6 +187,10 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true", help="machine-readable output")
     b.add_argument("--out", help="also write the JSON result to this file")
     b.set_defaults(func=cmd_bench)
+
+    c = sub.add_parser("checkpoints", help="list a run's Orbax checkpoints, their state and what a re-run resumes from")
+    c.add_argument("args", nargs="*", metavar="[RECIPE] [key=value]", help="as for train (default %s)" % DEFAULT_RECIPE)
+    c.set_defaults(func=cmd_checkpoints)
 
     ls = sub.add_parser("list", help="list the recipes")
     ls.set_defaults(func=cmd_list)

@@ -120,3 +120,31 @@ def prepare(run_dir: Path, identity: dict[str, Any], *, force: bool, log=print) 
     run_dir.mkdir(parents=True, exist_ok=True)
     id_file.write_text(json.dumps(identity | {"written_by": "maxtext-moe"}, indent=1, sort_keys=True))
     return found
+
+
+def describe(run_dir: Path) -> str:
+    """What `maxtext-moe checkpoints` prints: the run's owner and each checkpoint with its state."""
+    ckpt_dir = run_dir / "checkpoints"
+    found = scan(ckpt_dir)
+    lines = [f"run folder {run_dir}"]
+    id_file = run_dir / IDENTITY
+    if id_file.is_file():
+        owner = json.loads(id_file.read_text())
+        lines.append(f"  written by recipe '{owner.get('recipe')}' (model digest {owner.get('model_digest')})")
+    rows = [(s, "complete") for s in found.complete] + [(s, f"DAMAGED: {why}") for s, why in found.damaged.items()]
+    if not rows and not found.partial:
+        lines.append(f"  no checkpoints in {ckpt_dir}")
+    for step, state in sorted(rows):
+        path = ckpt_dir / str(step)
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(path.stat().st_mtime))
+        lines.append(f"  step {step:>7}  {size:9.1f} MiB  {when}  {state}")
+    lines += [f"  interrupted save {name} (ignored)" for name in found.partial]
+    newest_damaged = max(found.damaged, default=None)
+    if newest_damaged is not None and (found.latest is None or newest_damaged > found.latest):
+        earlier = f"after step {found.latest}" if found.latest is not None else "from scratch"
+        lines.append(f"  a re-run stops: the newest checkpoint (step {newest_damaged}) is damaged; "
+                     f"move it aside to resume {earlier}")
+    elif found.latest is not None:
+        lines.append(f"  a re-run resumes after step {found.latest} (continues at step {found.latest + 1})")
+    return "\n".join(lines)

@@ -48,6 +48,15 @@ def test_checkpoints_and_tensorboard_are_on_disk(trained):
     assert (out / RUN / "maxtext.log").stat().st_size > 0
 
 
+def test_checkpoints_command_lists_the_run(trained):
+    out, _ = trained
+    r = run_cli("checkpoints", f"base_output_directory={out}")
+    assert r.returncode == 0, r.stderr
+    states = [l.split()[1] for l in r.stdout.splitlines() if l.strip().startswith("step ") and l.endswith("complete")]
+    assert states == ["0", "10", "20", "29"]
+    assert "written by recipe 'deepseek3-tiny-cpu'" in r.stdout
+
+
 def test_rerun_of_a_finished_run_does_nothing(trained):
     out, _ = trained
     r = run_cli("train", "steps=30", "checkpoint_period=10", f"base_output_directory={out}", *SMALL, cwd=out)
@@ -105,6 +114,9 @@ def test_damaged_latest_checkpoint_is_refused_without_deleting(trained, tmp_path
     assert f"the latest checkpoint {latest} is unusable: it has no _CHECKPOINT_METADATA" in r.stderr
     assert "move that folder out of" in r.stderr and "to resume from step 20" in r.stderr
     assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+    listing = run_cli("checkpoints", f"base_output_directory={out}").stdout
+    assert "DAMAGED: it has no _CHECKPOINT_METADATA" in listing
+    assert "a re-run stops: the newest checkpoint (step 29) is damaged; move it aside to resume after step 20" in listing
 
 
 def test_corrupt_checkpoint_data_gives_a_clear_resume_error(trained, tmp_path):
