@@ -34,6 +34,7 @@ from maxtext_moe.errors import UserError
 SECTIONS = ("description", "include", "maxtext", "env", "xla_flags", "topology", "corpus")
 TOPOLOGY_FIELDS = ("hardware", "nodes", "gpus_per_node")
 CORPUS_FIELDS = ("source", "max_mib", "shards")
+FIELDS = {"topology": TOPOLOGY_FIELDS, "corpus": CORPUS_FIELDS}  # sections with a fixed set of fields
 # Command-line prefixes that address a section other than `maxtext`.
 PREFIXES = {"env": "env", "xla": "xla_flags", "xla_flags": "xla_flags", "topology": "topology", "corpus": "corpus"}
 COMMAND_LINE = "command line"
@@ -128,19 +129,12 @@ def _check_key(section: str, key: str, where: str) -> None:
                 source=where,
                 fix="see MaxText's configs/base.yml for the keys it accepts.",
             )
-    elif section == "topology" and key not in TOPOLOGY_FIELDS:
+    elif section in FIELDS and key not in FIELDS[section]:
         raise UserError(
-            f"unknown topology field.{suggest(key, TOPOLOGY_FIELDS)}",
-            key=f"topology.{key}",
+            f"unknown {section} field.{suggest(key, FIELDS[section])}",
+            key=f"{section}.{key}",
             source=where,
-            fix=f"use one of: {', '.join(TOPOLOGY_FIELDS)}.",
-        )
-    elif section == "corpus" and key not in CORPUS_FIELDS:
-        raise UserError(
-            f"unknown corpus field.{suggest(key, CORPUS_FIELDS)}",
-            key=f"corpus.{key}",
-            source=where,
-            fix=f"use one of: {', '.join(CORPUS_FIELDS)}.",
+            fix=f"use one of: {', '.join(FIELDS[section])}.",
         )
     elif section == "xla_flags" and not key.startswith("xla_"):
         raise UserError(

@@ -178,6 +178,9 @@ def test_override_syntax_errors():
     assert "override 'steps' has no '='" in error_of(TINY, "steps")
     assert "unknown prefix 'evn' in 'evn.X'. Did you mean 'env'?" in error_of(TINY, "evn.X=1")
     assert "xla_flags.gpu_foo: XLA flag names start with 'xla_'" in error_of(TINY, "xla.gpu_foo=1")
+    assert "topology.node: unknown topology field. Did you mean 'nodes'?" in error_of(TINY, "topology.node=2")
+    assert "corpus.max_mb: unknown corpus field. Did you mean 'max_mib'?" in error_of(TINY, "corpus.max_mb=3")
+    assert "env.1X: is not a valid environment variable name." in error_of(TINY, "env.1X=3")
 
 
 def test_maxtext_pydantic_validation_also_runs():
