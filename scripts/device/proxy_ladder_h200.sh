@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One device call on the lent H200 (issue 4): `maxtext-moe bench` on the one-GPU DeepSeek-V3 proxy,
 # rung by rung. Carry `.device` (wheels, xprof stub, te_h200_bundle.tar.xz). Results under $OUT.
-# Usage there: bash scripts/device/proxy_ladder_h200.sh [STEPS]
+# Usage there: bash scripts/device/proxy_ladder_h200.sh STEPS ["NAME key=value ..." ...]
+# (no rungs given: the first call's three, upstream tokamax with cuDNN attention through JAX, then TE, then FP8)
 set -uo pipefail
-steps=${1:-8}
+steps=${1:-8}; shift || true
 python3 -m pip install -q --no-index --no-deps .device/wheels/*.whl || exit 1
 export PYTHONPATH=$PWD:$PWD/.device/xprof-stub DECOUPLE_GCLOUD=TRUE PYTHONUNBUFFERED=1
 python3 -c "import tarfile;tarfile.open('.device/te_h200_bundle.tar.xz').extractall('/opt/te',filter='tar')" || exit 1
@@ -17,6 +18,11 @@ rung() {  # name, then overrides
     base_output_directory=/tmp/runs "$@" > "$OUT/$name.log" 2>&1
   echo "rc=$?"; grep -E "^(step time|predicted|tokens/s|model TFLOPS|MFU|peak device|loss) " "$OUT/$name.log" || tail -4 "$OUT/$name.log"
 }
-rung tokamax_cudnnjax
-rung tokamax_cudnnte attention=cudnn_flash_te
-rung tokamax_cudnnte_fp8 attention=cudnn_flash_te quantization=te_fp8_currentscaling
+if [ $# -eq 0 ]; then
+  set -- "tokamax_cudnnjax" "tokamax_cudnnte attention=cudnn_flash_te" \
+         "tokamax_cudnnte_fp8 attention=cudnn_flash_te quantization=te_fp8_currentscaling"
+fi
+for spec in "$@"; do
+  # shellcheck disable=SC2086  # a spec is a name followed by space-separated overrides
+  rung $spec
+done
