@@ -1,0 +1,114 @@
+"""One grouped-GEMM interface over three backends: `out[rows of group g] = x[rows of g] @ w[g]`.
+
+Why: MaxText 0.2.5 reaches `jax.lax.ragged_dot` (dense work on GPU: 23 TFLOP/s, and out of memory on
+our H200 proxy) or tokamax's Mosaic kernel (about 276 TFLOP/s), but not TE's `grouped_dense` (about
+637 TFLOP/s) outside its fused `te_moe_block`, which refuses DeepSeek-V3's bias update. This module lets
+our layer pick the kernel per run, with the same inputs and the same semantics.
+
+Rows of `x_sorted` are ordered by group; `group_sizes[g]` rows belong to group g; the sizes sum to the
+number of rows (the layer checks that: dropless).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import sys
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from maxtext_moe.errors import UserError
+
+Backend = Literal["ragged_dot", "tokamax", "te"]
+BACKENDS: tuple[Backend, ...] = ("ragged_dot", "tokamax", "te")
+
+TePath = Literal["v1", "v2"]
+# TE's single-kernel grouped GEMM ("V2", nvte_grouped_gemm) needs cuBLASLt >= 13.4 on Hopper; TE enables it
+# from its compile-time cuBLAS version, so a wheel built against 13.4 fails at run time on an older library.
+TE_V2_MIN_CUBLASLT = 130400
+_TE_GEMM_MODULE = "transformer_engine.jax.cpp_extensions.gemm"
+
+log = logging.getLogger(__name__)
+
+
+def te_grouped_gemm_path(runtime_cublaslt: int, compiled_v2: bool, requested: str = "auto") -> TePath:
+    """Decide which TE grouped-GEMM path may run: "v2" (one cuBLAS grouped kernel) or "v1" (one GEMM per group).
+
+    `requested` is "auto" (V2 when TE was built with it and the runtime cuBLASLt is new enough), "v1"
+    (always allowed), or "v2" (refused when it cannot run, rather than failing inside a kernel launch).
+    """
+    v2_runs = compiled_v2 and runtime_cublaslt >= TE_V2_MIN_CUBLASLT
+    if requested == "v1":
+        return "v1"
+    if requested == "auto":
+        return "v2" if v2_runs else "v1"
+    if requested == "v2":
+        if not v2_runs:
+            raise UserError(
+                f"TE's grouped GEMM V2 needs a TE build with it and cuBLASLt >= {TE_V2_MIN_CUBLASLT}; this machine has "
+                f"cuBLASLt {runtime_cublaslt} (TE built with V2: {compiled_v2}).",
+                fix="use te_gemm_path='auto' or 'v1', or install cuBLAS >= 13.4.")
+        return "v2"
+    raise UserError(f"unknown TE grouped-GEMM path {requested!r}.", fix="use 'auto', 'v1' or 'v2'.")
+
+
+def _import_te():
+    """Import TE's JAX bindings or say what to install; we never fall back to another backend silently."""
+    jax.devices()  # initialise the CUDA plugin first: it loads the cuBLAS/cudart that TE's library binds to
+    try:
+        dense = importlib.import_module("transformer_engine.jax.dense")
+        tex = importlib.import_module("transformer_engine_jax")
+    except ImportError as e:
+        raise UserError(f"backend 'te' needs Transformer Engine's JAX bindings, which do not import here ({e}).",
+                        fix="install transformer-engine[jax]==2.20.2 (pip install '.[gpu]'), or choose "
+                            "backend 'tokamax' or 'ragged_dot'.") from None
+    return dense, tex
+
+
+@functools.cache
+def select_te_grouped_gemm_path(requested: str = "auto") -> TePath:
+    """Apply `te_grouped_gemm_path` to the TE in this process, once per process; returns the path chosen.
+
+    TE 2.20.2 has no public switch: it reads the module flag `_v2_grouped_gemm_available` at trace time.
+    Setting it False selects the per-group path. Images with cuBLAS >= 13.4 keep V2 under "auto".
+    """
+    _, tex = _import_te()
+    gemm_mod = sys.modules[_TE_GEMM_MODULE]
+    runtime = int(tex.get_cublasLt_version())
+    path = te_grouped_gemm_path(runtime, bool(gemm_mod._v2_grouped_gemm_available), requested)
+    if path == "v1" and gemm_mod._v2_grouped_gemm_available:
+        gemm_mod._v2_grouped_gemm_available = False
+        gemm_mod._v2_grouped_gemm_available_reason = f"maxtext_moe: per-group path ({requested}, cuBLASLt {runtime})"
+    log.info("TE grouped GEMM path: %s (requested %s, runtime cuBLASLt %d)", path, requested, runtime)
+    return path
+
+
+def grouped_matmul(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array, backend: Backend) -> jax.Array:
+    """[M, K] rows sorted by group, [G, K, N] weights, [G] int32 sizes -> [M, N] in `x_sorted.dtype`.
+
+    Accumulation is float32 in every backend. tokamax runs its Mosaic GPU kernel on GPU (what MaxText's
+    `use_tokamax_gmm=true` calls) and its XLA implementation elsewhere (Mosaic GPU has no CPU target).
+    """
+    if x_sorted.ndim != 2 or w.ndim != 3 or x_sorted.shape[1] != w.shape[1] or group_sizes.shape != (w.shape[0],):
+        raise UserError(f"grouped_matmul shapes do not fit: x {x_sorted.shape}, w {w.shape}, "
+                        f"group_sizes {group_sizes.shape}; want [M,K], [G,K,N], [G].")
+    group_sizes = group_sizes.astype(jnp.int32)
+    w = w.astype(x_sorted.dtype)
+    if backend == "ragged_dot":
+        return jax.lax.ragged_dot(x_sorted, w, group_sizes, preferred_element_type=x_sorted.dtype)
+    if backend == "tokamax":
+        import tokamax
+
+        on_gpu = jax.devices()[0].platform == "gpu"
+        return tokamax.ragged_dot(
+            x_sorted, w, group_sizes=tokamax.RaggedDotGroupSizes(group_sizes, x_sorted.shape[0]),
+            precision=jax.lax.Precision.DEFAULT, preferred_element_type=x_sorted.dtype,
+            implementation="mosaic" if on_gpu else None)
+    if backend == "te":
+        dense, _ = _import_te()
+        select_te_grouped_gemm_path()
+        return dense.grouped_dense(x_sorted, w, group_sizes).astype(x_sorted.dtype)
+    raise UserError(f"unknown grouped-GEMM backend {backend!r}.", fix=f"choose one of {', '.join(BACKENDS)}.")

@@ -1,0 +1,138 @@
+"""Dropless routed MoE with one shared expert, forward for one device (differentiable).
+
+Why our own: MaxText 0.2.5's `RoutedMoE.sparse_matmul` reaches only `ragged_dot`/tokamax for the expert
+GEMMs, and its TE block refuses the aux-loss-free bias update. This layer keeps MaxText's parameter tree
+(`RoutedAndSharedMoE`: `MoeBlock_0/{gate/{kernel,bias}, wi_0, wi_1, wo}`, `shared_experts/{wi_0,wi_1,wo}/kernel`)
+and DeepSeek-V3 semantics, and takes the grouped-GEMM backend as an argument (`gemm.BACKENDS`).
+
+Steps: route (float32) -> repeat each token k times and sort the copies by expert -> grouped GEMMs
+wi_0, wi_1 -> SiLU(h0) * h1 -> grouped GEMM wo -> unsort -> weighted sum over the k copies -> + shared expert.
+No token is dropped: every copy lands in exactly one expert's rows (checked, see `sort_by_expert`).
+Expert parallelism (dispatch across devices) is not here yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from maxtext_moe.errors import UserError
+from maxtext_moe.moe.gemm import Backend, grouped_matmul
+from maxtext_moe.moe.routing import Routing, RoutingConfig, route
+
+Params = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Widths of one MoE layer; names follow MaxText (`emb_dim`, `moe_mlp_dim`, `shared_experts`)."""
+
+    emb_dim: int
+    moe_mlp_dim: int
+    routing: RoutingConfig
+    shared_mlp_dim: int  # width of the shared expert (MaxText: shared_experts * moe_mlp_dim)
+    check_dropless: bool = True  # host-side check of sum(group sizes) under jit (one small callback)
+
+
+def init_params(key: jax.Array, cfg: MoEConfig, dtype: jnp.dtype = jnp.bfloat16) -> Params:
+    """Random parameters in MaxText's tree; fan-in scaled normals, selection bias small and nonzero."""
+    e, d, f, fs = cfg.routing.num_experts, cfg.emb_dim, cfg.moe_mlp_dim, cfg.shared_mlp_dim
+    ks = jax.random.split(key, 8)
+
+    def normal(k: jax.Array, shape: tuple[int, ...], fan_in: int) -> jax.Array:
+        return (jax.random.normal(k, shape, jnp.float32) / np.sqrt(fan_in)).astype(dtype)
+
+    return {
+        "MoeBlock_0": {
+            "gate": {"kernel": normal(ks[0], (d, e), d), "bias": (0.01 * jax.random.normal(ks[1], (e,))).astype(dtype)},
+            "wi_0": normal(ks[2], (e, d, f), d),
+            "wi_1": normal(ks[3], (e, d, f), d),
+            "wo": normal(ks[4], (e, f, d), f),
+        },
+        "shared_experts": {
+            "wi_0": {"kernel": normal(ks[5], (d, fs), d)},
+            "wi_1": {"kernel": normal(ks[6], (d, fs), d)},
+            "wo": {"kernel": normal(ks[7], (fs, d), fs)},
+        },
+    }
+
+
+def gate_logits(x: jax.Array, gate_kernel: jax.Array) -> jax.Array:
+    """Router logits in float32 at full precision: cheap (E columns) and it keeps near-ties decided the
+    same way in the layer and in the reference."""
+    return jnp.dot(x.astype(jnp.float32), gate_kernel.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+
+
+def _raise_if_dropped(total: np.ndarray, rows: int) -> None:
+    if int(total) != rows:
+        raise UserError(f"MoE dispatch is not dropless: expert groups hold {int(total)} rows, expected {rows} "
+                        "(tokens x top-k); an expert index is outside [0, num_experts).")
+
+
+def sort_by_expert(indices: jax.Array, num_experts: int, check: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Order the T*k (token, slot) copies by expert: returns (order, inverse order, group sizes [E]).
+
+    `order[j]` is the flat copy index placed at sorted row j. The dropless check runs eagerly when the
+    indices are concrete, and as a host callback under jit when `check` is set.
+    """
+    flat = indices.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    inverse = jnp.argsort(order)
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    if check:
+        total = jnp.sum(group_sizes)
+        if isinstance(total, jax.core.Tracer):
+            jax.debug.callback(_raise_if_dropped, total, flat.shape[0])
+        else:
+            _raise_if_dropped(np.asarray(total), flat.shape[0])
+    return order, inverse, group_sizes
+
+
+@jax.custom_vjp
+def permute_rows(x: jax.Array, perm: jax.Array, inverse: jax.Array) -> jax.Array:
+    """x[perm] whose backward is a gather by the inverse permutation, not the scatter-add XLA would emit."""
+    return x[perm]
+
+
+def _permute_fwd(x: jax.Array, perm: jax.Array, inverse: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return x[perm], inverse
+
+
+def _permute_bwd(inverse: jax.Array, g: jax.Array) -> tuple[jax.Array, None, None]:
+    return g[inverse], None, None
+
+
+permute_rows.defvjp(_permute_fwd, _permute_bwd)
+
+
+def shared_expert(x: jax.Array, p: Params) -> jax.Array:
+    """MaxText's MlpBlock with activations (silu, linear): wo(silu(x wi_0) * (x wi_1))."""
+    h0 = x @ p["wi_0"]["kernel"].astype(x.dtype)
+    h1 = x @ p["wi_1"]["kernel"].astype(x.dtype)
+    return (jax.nn.silu(h0) * h1) @ p["wo"]["kernel"].astype(x.dtype)
+
+
+def moe_forward(params: Params, x: jax.Array, cfg: MoEConfig, backend: Backend) -> tuple[jax.Array, Routing]:
+    """Routed + shared MoE on `x` [..., emb_dim] -> (same shape and dtype, the routing used)."""
+    if x.shape[-1] != cfg.emb_dim:
+        raise UserError(f"MoE input width {x.shape[-1]} != emb_dim {cfg.emb_dim}.")
+    p = params["MoeBlock_0"]
+    tokens = x.reshape(-1, cfg.emb_dim)
+    k = cfg.routing.top_k
+    routing = route(gate_logits(tokens, p["gate"]["kernel"]), p["gate"]["bias"], cfg.routing)
+    order, inverse, group_sizes = sort_by_expert(routing.indices, cfg.routing.num_experts, cfg.check_dropless)
+
+    x_sorted = permute_rows(jnp.repeat(tokens, k, axis=0), order, inverse)
+    h0 = grouped_matmul(x_sorted, p["wi_0"], group_sizes, backend)
+    h1 = grouped_matmul(x_sorted, p["wi_1"], group_sizes, backend)
+    act = (jax.nn.silu(h0.astype(jnp.float32)) * h1.astype(jnp.float32)).astype(x.dtype)
+    out_sorted = grouped_matmul(act, p["wo"], group_sizes, backend)
+
+    out = permute_rows(out_sorted, inverse, order).reshape(-1, k, cfg.emb_dim)
+    routed = jnp.einsum("tkd,tk->td", out, routing.weights.astype(x.dtype), preferred_element_type=jnp.float32)
+    y = routed + shared_expert(tokens, params["shared_experts"]).astype(jnp.float32)
+    return y.astype(x.dtype).reshape(x.shape), routing

@@ -1,0 +1,124 @@
+"""The dropless MoE layer against a dense per-expert reference and MaxText's own block; TE path switch."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxtext_moe.errors import UserError
+from maxtext_moe.moe import gemm
+from maxtext_moe.moe.layer import MoEConfig, init_params, moe_forward, sort_by_expert
+from maxtext_moe.moe.reference import moe_reference
+from maxtext_moe.moe.routing import RoutingConfig
+
+CFG = MoEConfig(emb_dim=64, moe_mlp_dim=32, shared_mlp_dim=32,
+                routing=RoutingConfig(num_experts=16, top_k=4, n_groups=4, topk_groups=2))
+
+
+def rel(a: jax.Array, b: jax.Array) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize("backend", ["ragged_dot", "tokamax"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_layer_matches_dense_reference(backend: str, seed: int) -> None:
+    params = init_params(jax.random.key(seed), CFG, jnp.float32)
+    x = jax.random.normal(jax.random.key(100 + seed), (3, 40, CFG.emb_dim))
+    y, routing = jax.jit(moe_forward, static_argnums=(2, 3))(params, x, CFG, backend)
+    assert y.shape == x.shape and int(routing.counts.sum()) == 3 * 40 * 4
+    assert rel(y, moe_reference(params, x, CFG)) < 1e-5
+
+
+def test_bf16_layer_close_to_float32_reference() -> None:
+    params = init_params(jax.random.key(2), CFG, jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(3), (128, CFG.emb_dim), jnp.bfloat16)
+    y, _ = jax.jit(moe_forward, static_argnums=(2, 3))(params, x, CFG, "ragged_dot")
+    assert y.dtype == jnp.bfloat16 and rel(y, moe_reference(params, x, CFG)) < 2e-2
+
+
+def test_gradients_match_reference_and_are_finite() -> None:
+    params = init_params(jax.random.key(4), CFG, jnp.float32)
+    x = jax.random.normal(jax.random.key(5), (64, CFG.emb_dim))
+    cot = jax.random.normal(jax.random.key(6), x.shape)
+    loss = lambda p, x: jnp.sum(moe_forward(p, x, CFG, "ragged_dot")[0] * cot)  # noqa: E731
+    loss_ref = lambda p, x: jnp.sum(moe_reference(p, x, CFG) * cot)  # noqa: E731
+    g, g_ref = jax.jit(jax.grad(loss, (0, 1)))(params, x), jax.jit(jax.grad(loss_ref, (0, 1)))(params, x)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g)[0], jax.tree.leaves(g_ref)):
+        assert np.isfinite(np.asarray(a)).all(), path
+        if "bias" in jax.tree_util.keystr(path):
+            assert not np.asarray(a).any()  # the bias is updated outside the optimizer
+        else:
+            assert rel(a, b) < 1e-4, path
+
+
+def test_dropless_check_rejects_out_of_range_experts() -> None:
+    good = jnp.array([[0, 3], [1, 2]], jnp.int32)
+    _, _, sizes = sort_by_expert(good, 4)
+    assert int(sizes.sum()) == 4
+    bad = jnp.array([[0, 4], [1, 2]], jnp.int32)  # expert 4 does not exist: a copy would be dropped
+    with pytest.raises(UserError, match="not dropless"):
+        sort_by_expert(bad, 4)
+    with pytest.raises(Exception, match="not dropless"):
+        jax.jit(lambda i: sort_by_expert(i, 4)[2])(bad).block_until_ready()
+
+
+def test_sort_unsort_round_trip() -> None:
+    idx = jax.random.randint(jax.random.key(7), (50, 3), 0, 8)
+    order, inverse, sizes = sort_by_expert(idx, 8)
+    flat = np.asarray(idx).reshape(-1)
+    assert np.all(np.diff(flat[np.asarray(order)]) >= 0)
+    np.testing.assert_array_equal(np.asarray(order)[np.asarray(inverse)], np.arange(150))
+    np.testing.assert_array_equal(np.asarray(sizes), np.bincount(flat, minlength=8))
+
+
+def test_same_function_as_maxtext_block() -> None:
+    """MaxText's RoutedAndSharedMoE (sparse_matmul, ragged_dot) on our parameters gives our output."""
+    from maxtext_moe.moe.maxtext_block import maxtext_moe_fn
+
+    params = init_params(jax.random.key(8), CFG, jnp.float32)
+    params["MoeBlock_0"]["gate"]["bias"] = params["MoeBlock_0"]["gate"]["bias"].at[3].set(1.0)
+    x = jax.random.normal(jax.random.key(9), (2, 16, CFG.emb_dim))
+    fn, state = maxtext_moe_fn(CFG, params, batch=2, seq=16, dtype="float32", use_tokamax_gmm=False)
+    y, _ = moe_forward(params, x, CFG, "ragged_dot")
+    assert rel(y, jax.jit(fn)(state, x)) < 1e-5
+
+
+@pytest.mark.parametrize("runtime, compiled, requested, want", [
+    (130100, True, "auto", "v1"),   # the lent H200 image: TE built with V2, cuBLAS 13.1 at run time
+    (130400, True, "auto", "v2"),
+    (130500, False, "auto", "v1"),  # TE built without V2
+    (130500, True, "v1", "v1"),
+    (130400, True, "v2", "v2"),
+])
+def test_te_grouped_gemm_path_decision(runtime: int, compiled: bool, requested: str, want: str) -> None:
+    assert gemm.te_grouped_gemm_path(runtime, compiled, requested) == want
+
+
+@pytest.mark.parametrize("runtime, compiled, requested", [(130100, True, "v2"), (130500, True, "fast")])
+def test_te_grouped_gemm_path_refusals(runtime: int, compiled: bool, requested: str) -> None:
+    with pytest.raises(UserError):
+        gemm.te_grouped_gemm_path(runtime, compiled, requested)
+
+
+def test_te_backend_without_te_names_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_te(name: str, *args, **kwargs):
+        if name.startswith("transformer_engine"):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_te)
+    x, w = jnp.ones((4, 8)), jnp.ones((2, 8, 3))
+    with pytest.raises(UserError, match="transformer-engine"):
+        gemm.grouped_matmul(x, w, jnp.array([1, 3]), "te")
+
+
+def test_unknown_backend_is_a_user_error() -> None:
+    with pytest.raises(UserError, match="ragged_dot"):
+        gemm.grouped_matmul(jnp.ones((4, 8)), jnp.ones((2, 8, 3)), jnp.array([1, 3]), "cutlass")
