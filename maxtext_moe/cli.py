@@ -47,7 +47,7 @@ def render_show(r: ResolvedRecipe) -> str:
               f"  gpus_per_node: {t.gpus_per_node}  # {r.sources.get('topology.gpus_per_node', 'hardware default')}",
               f"  # {t.num_devices} device(s) in all"]
     for section, values, prefix in (("maxtext", r.maxtext, "maxtext"), ("env", r.env, "env"),
-                                    ("corpus", r.corpus or {}, "corpus")):
+                                    ("corpus", r.corpus or {}, "corpus"), ("moe", r.moe, "moe")):
         if not values:
             continue
         lines.append(f"{section}:")

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from maxtext_moe import distributed
+from maxtext_moe.errors import UserError
 from maxtext_moe.resolved import ResolvedRecipe
 from maxtext_moe.validate import FP8_QUANTIZATIONS, MXFP8
 
@@ -147,6 +148,8 @@ def te_reasons(r: ResolvedRecipe) -> list[str]:
         reasons.insert(0, "te_moe_block=true")
     if r.effective("attention") == "cudnn_flash_te":
         reasons.append("attention=cudnn_flash_te")
+    if r.moe.get("gemm") == "te":  # our MoE layer's grouped GEMMs (maxtext_moe/moe/gemm.py)
+        reasons.append("moe.gemm=te")
     return reasons
 
 
@@ -185,10 +188,15 @@ def compare(m: Machine, r: ResolvedRecipe) -> list[Line]:
     if m.cublaslt is not None and m.te_error is None and m.te_version is not None:
         from maxtext_moe.moe.gemm import TE_V2_MIN_CUBLASLT, te_grouped_gemm_path  # the rule training applies
 
-        path = te_grouped_gemm_path(m.cublaslt, bool(m.te_compiled_v2))
-        lines.append(Line("te grouped gemm", f"{'V2 single-kernel' if path == 'v2' else 'V1 per-group'} path (cuBLASLt {m.cublaslt}, "
-                                             f"TE built with V2: {m.te_compiled_v2}; V2 needs >= {TE_V2_MIN_CUBLASLT} on Hopper)",
-                          "info"))
+        requested = r.moe.get("te_gemm_path", "auto")
+        have = f"cuBLASLt {m.cublaslt}, TE built with V2: {m.te_compiled_v2}; V2 needs >= {TE_V2_MIN_CUBLASLT} on Hopper"
+        try:
+            path = te_grouped_gemm_path(m.cublaslt, bool(m.te_compiled_v2), requested)
+            lines.append(Line("te grouped gemm", f"{'V2 single-kernel' if path == 'v2' else 'V1 per-group'} path ({have})",
+                              "info"))
+        except UserError:
+            lines.append(Line("te grouped gemm", f"moe.te_gemm_path={requested} cannot run here ({have})", "gap",
+                              "set moe.te_gemm_path=auto (or v1), or use an image with cuBLAS >= 13.4"))
     ep = int(r.effective("ici_expert_parallelism"))
     needs_ep = bool(r.effective("te_moe_block")) and (ep == -1 or ep > 1)
     ep_ok = (m.nccl is not None and m.nccl >= NCCL_EP_MIN and (m.compute_capability or (0, 0)) >= NCCL_EP_MIN_CC)

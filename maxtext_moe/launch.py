@@ -110,6 +110,10 @@ def train(resolved: ResolvedRecipe, *, force: bool = False, verbose: bool = Fals
     # (no PyTorch, RoPE config names) say nothing about this run.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     with _maxtext_logging(proc.per_process(rp.log), verbose):
+        if resolved.moe["impl"] == "ours":  # before MaxText builds the model; after jax.distributed is up (TE probe)
+            from maxtext_moe.moe import integration
+
+            integration.install(resolved.moe)
         config = maxtext_check.check(maxtext, resolved.sources)
         out(f"{resolved.name}: {config.num_decoder_layers} decoder layers, {resolved.topology.num_devices} device(s) "
             f"of {resolved.topology.hardware}, " + (f"resuming from step {start}" if start else "starting from scratch")

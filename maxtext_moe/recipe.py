@@ -15,6 +15,7 @@ File format (recipes and fragments alike; every section optional):
     xla_flags: {xla_flag_name: value}                # joined into XLA_FLAGS
     topology: {hardware: h200, nodes: 1, gpus_per_node: 8}
     corpus: {source: python-stdlib, max_mib: 8}      # text prepared locally for the Grain loader
+    moe: {impl: ours, gemm: te}                      # which routed-MoE block and grouped GEMM run
 
 Later values replace earlier ones key by key; command-line `key=value` overrides come last.
 """
@@ -31,12 +32,14 @@ import yaml
 from maxtext_moe import maxtext_keys, paths
 from maxtext_moe.errors import UserError
 
-SECTIONS = ("description", "include", "maxtext", "env", "xla_flags", "topology", "corpus")
+SECTIONS = ("description", "include", "maxtext", "env", "xla_flags", "topology", "corpus", "moe")
 TOPOLOGY_FIELDS = ("hardware", "nodes", "gpus_per_node")
 CORPUS_FIELDS = ("source", "max_mib", "shards")
-FIELDS = {"topology": TOPOLOGY_FIELDS, "corpus": CORPUS_FIELDS}  # sections with a fixed set of fields
+MOE_FIELDS = ("impl", "gemm", "te_gemm_path")
+FIELDS = {"topology": TOPOLOGY_FIELDS, "corpus": CORPUS_FIELDS, "moe": MOE_FIELDS}  # sections with fixed fields
 # Command-line prefixes that address a section other than `maxtext`.
-PREFIXES = {"env": "env", "xla": "xla_flags", "xla_flags": "xla_flags", "topology": "topology", "corpus": "corpus"}
+PREFIXES = {"env": "env", "xla": "xla_flags", "xla_flags": "xla_flags", "topology": "topology", "corpus": "corpus",
+            "moe": "moe"}
 COMMAND_LINE = "command line"
 
 
@@ -53,7 +56,7 @@ class Composition:
     name: str
     description: str = ""
     sections: dict[str, dict[str, Value]] = field(
-        default_factory=lambda: {s: {} for s in ("maxtext", "env", "xla_flags", "topology", "corpus")}
+        default_factory=lambda: {s: {} for s in ("maxtext", "env", "xla_flags", "topology", "corpus", "moe")}
     )
     files: list[str] = field(default_factory=list)
 
@@ -196,7 +199,7 @@ def parse_override(text: str) -> tuple[str, str, Any]:
             raise UserError(
                 f"unknown prefix '{prefix}' in '{dotted}'.{suggest(prefix, tuple(PREFIXES))}",
                 source=COMMAND_LINE,
-                fix="use a MaxText key, or env.NAME, xla.FLAG, topology.FIELD, corpus.FIELD.",
+                fix="use a MaxText key, or env.NAME, xla.FLAG, topology.FIELD, corpus.FIELD, moe.FIELD.",
             )
         section, key = PREFIXES[prefix], rest
     try:

@@ -46,6 +46,7 @@ class ResolvedRecipe:
     env: dict[str, str]
     topology: Topology
     corpus: dict[str, Any] | None
+    moe: dict[str, Any] = field(default_factory=lambda: {"impl": "maxtext"})  # see validate.MOE_CHOICES
     sources: dict[str, str] = field(default_factory=dict)  # "maxtext.steps" -> file or "command line"
     files: list[str] = field(default_factory=list)
 
@@ -73,6 +74,7 @@ class ResolvedRecipe:
             "env": self.env,
             "topology": asdict(self.topology) | {"num_devices": self.topology.num_devices},
             "corpus": self.corpus,
+            "moe": self.moe,
             "sources": self.sources,
             "files": self.files,
         }

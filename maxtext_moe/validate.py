@@ -25,6 +25,8 @@ FP8_QUANTIZATIONS = {"fp8", "fp8_e4m3", "fp8_e5m2", "nanoo_fp8", "fp8_nanoo", "f
                      "te_fp8_delayedscaling", "te_fp8_currentscaling"}
 MXFP8 = "te_mxfp8"
 
+MOE_CHOICES = {"impl": ("maxtext", "ours"), "gemm": ("te", "tokamax", "ragged_dot"), "te_gemm_path": ("auto", "v1", "v2")}
+
 # key -> (predicate, what the value must be)
 RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "steps": (lambda v: v >= 1 or v == -1, "at least 1 (or -1 to follow learning_rate_schedule_steps)"),
@@ -191,6 +193,44 @@ class _Checker:
                       "choose an expert-parallel size that divides the number of experts.")
 
 
+def _moe(comp: Composition, check: _Checker, hw: Hardware) -> dict[str, Any]:
+    """The `moe` section with defaults: MaxText's own block unless `impl: ours` asks for ours."""
+    sec = comp.sections["moe"]
+    for key, v in sec.items():
+        if v.value not in MOE_CHOICES[key]:
+            raise UserError(f"must be one of {', '.join(MOE_CHOICES[key])}, got {v.value!r}.", key=f"moe.{key}",
+                            source=v.source)
+    impl = sec["impl"].value if "impl" in sec else "maxtext"
+    if impl == "maxtext":
+        extra = next((k for k in sec if k != "impl"), None)
+        if extra:
+            raise UserError("applies only to moe.impl: ours; MaxText's own block is tuned with MaxText keys "
+                            "(use_tokamax_gmm, te_moe_block).", key=f"moe.{extra}", source=sec[extra].source,
+                            fix="set moe.impl: ours, or remove it.")
+        return {"impl": impl}
+    where = sec["impl"].source
+    gemm = sec["gemm"].value if "gemm" in sec else ("te" if hw.maxtext_hardware == "gpu" else "ragged_dot")
+    if gemm == "te" and hw.maxtext_hardware != "gpu":
+        raise UserError(f"is te, but Transformer Engine's grouped GEMM needs an NVIDIA GPU and this recipe runs on "
+                        f"{hw.name}.", key="moe.gemm", source=sec["gemm"].source if "gemm" in sec else where,
+                        fix="use moe.gemm: ragged_dot (or tokamax) on the CPU.")
+    if check.value("decoder_block") != "deepseek":
+        check.fail("decoder_block", f"is {check.value('decoder_block')!r}, but moe.impl: ours replaces the routed "
+                                    "experts of MaxText's DeepSeek decoder layer only.",
+                   "use a DeepSeek model (decoder_block: deepseek), or remove moe.impl.")
+    if check.value("num_experts") <= 1:
+        check.fail("num_experts", "is 1: moe.impl: ours replaces the routed-expert block, which this model lacks.",
+                   "remove moe.impl, or give the model experts.")
+    if check.value("te_moe_block"):
+        check.fail("te_moe_block", "is true, but moe.impl: ours replaces the routed-expert block with ours.",
+                   "choose one: set te_moe_block: false, or remove moe.impl.")
+    if check.value("ici_expert_parallelism") != 1:
+        check.fail("ici_expert_parallelism", "is not 1, but moe.impl: ours keeps every expert on its device so far "
+                                             "(no expert-parallel dispatch yet).",
+                   "use moe.impl: maxtext for expert parallelism, or set ici_expert_parallelism: 1.")
+    return {"impl": impl, "gemm": gemm, "te_gemm_path": sec["te_gemm_path"].value if "te_gemm_path" in sec else "auto"}
+
+
 def _env(comp: Composition) -> dict[str, str]:
     env = {k: _env_str(v.value) for k, v in comp.sections["env"].items()}
     flags = comp.sections["xla_flags"]
@@ -228,5 +268,8 @@ def resolve(comp: Composition) -> ResolvedRecipe:
         out = Path(str(maxtext.get("base_output_directory") or "runs"))
         maxtext["grain_train_files"] = corpus_files.file_pattern(corpus_files.default_dir(out))
         sources["maxtext.grain_train_files"] = f"derived from the corpus section ({sources.get('corpus.source')})"
+    moe = _moe(comp, check, hw)
+    for key in moe:
+        sources.setdefault(f"moe.{key}", f"default for {hw.name}" if key == "gemm" else "default")
     return ResolvedRecipe(name=comp.name, description=comp.description, maxtext=maxtext, env=_env(comp),
-                          topology=topo, corpus=corpus, sources=sources, files=list(comp.files))
+                          topology=topo, corpus=corpus, moe=moe, sources=sources, files=list(comp.files))

@@ -195,3 +195,20 @@ def test_every_recipe_file_is_a_mapping_with_a_description():
     for name in recipe.recipe_names():
         data = yaml.safe_load(recipe.find_recipe(name).read_text())
         assert data.get("description"), name
+
+
+def test_moe_section_defaults_and_checks():
+    assert compose_resolve(TINY).moe == {"impl": "maxtext"}
+    r = compose_resolve(TINY, "moe.impl=ours")
+    assert r.moe == {"impl": "ours", "gemm": "ragged_dot", "te_gemm_path": "auto"}
+    assert r.sources["moe.gemm"] == "default for cpu"
+    assert "moe.impl: must be one of maxtext, ours, got 'mine'." in error_of(TINY, "moe.impl=mine")
+    assert "moe.gemm: applies only to moe.impl: ours" in error_of(TINY, "moe.gemm=tokamax")
+    assert "moe.gemm: is te, but Transformer Engine's grouped GEMM needs an NVIDIA GPU" in \
+        error_of(TINY, "moe.impl=ours", "moe.gemm=te")
+    assert "ici_expert_parallelism: is not 1, but moe.impl: ours keeps every expert on its device" in \
+        error_of(TINY, "moe.impl=ours", "topology.gpus_per_node=2", "ici_expert_parallelism=2")
+    assert "decoder_block: is 'llama2', but moe.impl: ours replaces the routed experts of MaxText's DeepSeek" in \
+        error_of(TINY, "moe.impl=ours", "decoder_block=llama2")
+    gpu = compose_resolve(TINY, "moe.impl=ours", "topology.hardware=h200", "topology.gpus_per_node=1")
+    assert gpu.moe["gemm"] == "te"

@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from maxtext_moe.errors import UserError
 from maxtext_moe.moe.gemm import Backend, grouped_matmul
@@ -116,23 +117,35 @@ def shared_expert(x: jax.Array, p: Params) -> jax.Array:
     return (jax.nn.silu(h0) * h1) @ p["wo"]["kernel"].astype(x.dtype)
 
 
-def moe_forward(params: Params, x: jax.Array, cfg: MoEConfig, backend: Backend) -> tuple[jax.Array, Routing]:
-    """Routed + shared MoE on `x` [..., emb_dim] -> (same shape and dtype, the routing used)."""
-    if x.shape[-1] != cfg.emb_dim:
-        raise UserError(f"MoE input width {x.shape[-1]} != emb_dim {cfg.emb_dim}.")
-    p = params["MoeBlock_0"]
-    tokens = x.reshape(-1, cfg.emb_dim)
+def routed_experts(p: Params, tokens: jax.Array, cfg: MoEConfig, backend: Backend) -> tuple[jax.Array, Routing]:
+    """The routed experts alone on `tokens` [T, emb_dim]: (float32 [T, emb_dim], the routing used).
+
+    `p` is MaxText's `MoeBlock_0` subtree. The expert GEMM outputs carry MaxText's remat names exactly
+    as its `sparse_matmul` path tags them (wi_0: `mlpwi_0` and `moe_mlpwi_0`; wi_1: `moe_mlpwi_1`;
+    wo: `mlpwo` and `moe_mlpwo`), so one `remat_policy` saves or offloads the same tensors with either block.
+    """
     k = cfg.routing.top_k
     routing = route(gate_logits(tokens, p["gate"]["kernel"]), p["gate"]["bias"], cfg.routing)
     order, inverse, group_sizes = sort_by_expert(routing.indices, cfg.routing.num_experts, cfg.check_dropless)
 
     x_sorted = permute_rows(jnp.repeat(tokens, k, axis=0), order, inverse)
-    h0 = grouped_matmul(x_sorted, p["wi_0"], group_sizes, backend)
-    h1 = grouped_matmul(x_sorted, p["wi_1"], group_sizes, backend)
-    act = (jax.nn.silu(h0.astype(jnp.float32)) * h1.astype(jnp.float32)).astype(x.dtype)
-    out_sorted = grouped_matmul(act, p["wo"], group_sizes, backend)
+    h0 = checkpoint_name(checkpoint_name(grouped_matmul(x_sorted, p["wi_0"], group_sizes, backend), "mlpwi_0"),
+                         "moe_mlpwi_0")
+    h1 = checkpoint_name(grouped_matmul(x_sorted, p["wi_1"], group_sizes, backend), "moe_mlpwi_1")
+    act = (jax.nn.silu(h0.astype(jnp.float32)) * h1.astype(jnp.float32)).astype(tokens.dtype)
+    out_sorted = checkpoint_name(checkpoint_name(grouped_matmul(act, p["wo"], group_sizes, backend), "mlpwo"),
+                                 "moe_mlpwo")
 
     out = permute_rows(out_sorted, inverse, order).reshape(-1, k, cfg.emb_dim)
-    routed = jnp.einsum("tkd,tk->td", out, routing.weights.astype(x.dtype), preferred_element_type=jnp.float32)
+    routed = jnp.einsum("tkd,tk->td", out, routing.weights.astype(tokens.dtype), preferred_element_type=jnp.float32)
+    return routed, routing
+
+
+def moe_forward(params: Params, x: jax.Array, cfg: MoEConfig, backend: Backend) -> tuple[jax.Array, Routing]:
+    """Routed + shared MoE on `x` [..., emb_dim] -> (same shape and dtype, the routing used)."""
+    if x.shape[-1] != cfg.emb_dim:
+        raise UserError(f"MoE input width {x.shape[-1]} != emb_dim {cfg.emb_dim}.")
+    tokens = x.reshape(-1, cfg.emb_dim)
+    routed, routing = routed_experts(params["MoeBlock_0"], tokens, cfg, backend)
     y = routed + shared_expert(tokens, params["shared_experts"]).astype(jnp.float32)
     return y.astype(x.dtype).reshape(x.shape), routing
