@@ -1,0 +1,201 @@
+"""Expert-parallel dispatch with per-rank dedup against the single-device layer (CPU; one GPU test)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxtext_moe.errors import UserError
+from maxtext_moe.moe import dispatch
+from maxtext_moe.moe.layer import MoEConfig, init_params, moe_forward
+from maxtext_moe.moe.reference import moe_reference
+from maxtext_moe.moe.routing import RoutingConfig
+
+CFG = MoEConfig(emb_dim=32, moe_mlp_dim=16, shared_mlp_dim=16,
+                routing=RoutingConfig(num_experts=16, top_k=4, n_groups=4, topk_groups=2))
+TOKENS = 64
+
+
+def rel(a: jax.Array, b: jax.Array) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def ep_forward(ranks: int, dedup: bool):
+    return jax.jit(functools.partial(dispatch.ep_moe_forward_emulated, cfg=CFG, ranks=ranks, dedup=dedup))
+
+
+@pytest.mark.parametrize("dedup", [True, False])
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_emulated_ep_matches_single_device_layer_and_reference(ranks: int, dedup: bool) -> None:
+    params = init_params(jax.random.key(ranks), CFG, jnp.float32)
+    x = jax.random.normal(jax.random.key(10 + ranks), (2, TOKENS // 2, CFG.emb_dim))
+    y, routing = ep_forward(ranks, dedup)(params, x)
+    y_one, routing_one = moe_forward(params, x, CFG, "ragged_dot")
+    np.testing.assert_array_equal(np.asarray(routing.indices), np.asarray(routing_one.indices))
+    np.testing.assert_array_equal(np.asarray(routing.counts), np.asarray(routing_one.counts))
+    assert y.shape == x.shape
+    assert rel(y, y_one) < 1e-6
+    assert rel(y, moe_reference(params, x, CFG)) < 1e-5
+
+
+@pytest.mark.parametrize("dedup", [True, False])
+def test_emulated_ep_gradients_match_single_device_layer(dedup: bool) -> None:
+    params = init_params(jax.random.key(3), CFG, jnp.float32)
+    x = jax.random.normal(jax.random.key(4), (TOKENS, CFG.emb_dim))
+    cot = jax.random.normal(jax.random.key(5), x.shape)
+    ep = functools.partial(dispatch.ep_moe_forward_emulated, cfg=CFG, ranks=4, dedup=dedup)
+    g = jax.jit(jax.grad(lambda p, x: jnp.sum(ep(p, x)[0] * cot), (0, 1)))(params, x)
+    g_one = jax.jit(jax.grad(lambda p, x: jnp.sum(moe_forward(p, x, CFG, "ragged_dot")[0] * cot), (0, 1)))(params, x)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g)[0], jax.tree.leaves(g_one)):
+        if "bias" in jax.tree_util.keystr(path):
+            assert not np.asarray(a).any() and not np.asarray(b).any()
+        else:
+            assert rel(a, b) < 1e-5, path
+
+
+def test_plan_sends_each_token_once_per_rank_with_its_local_experts() -> None:
+    ids = jnp.array([[0, 1, 5], [6, 7, 4], [2, 3, 1]], jnp.int32)  # 8 experts on 2 ranks: 4 local each
+    w = jnp.array([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6], [0.7, 0.8, 0.9]])
+    plan = dispatch.plan_dispatch(ids, w, num_experts=8, ranks=2)
+    np.testing.assert_array_equal(np.asarray(plan.send_counts), [2, 2])
+    np.testing.assert_array_equal(np.asarray(plan.send_offsets), [0, 2])
+    np.testing.assert_array_equal(np.asarray(plan.row_token), [0, 2, 0, 1, 0, 0])  # rank 0: t0, t2; rank 1: t0, t1
+    np.testing.assert_array_equal(np.asarray(plan.row_experts)[:4], [[0, 1, -1], [2, 3, 1], [1, -1, -1], [2, 3, 0]])
+    np.testing.assert_allclose(np.asarray(plan.row_weights)[:4], [[0.1, 0.2, 0], [0.7, 0.8, 0.9], [0.3, 0, 0],
+                                                                  [0.4, 0.5, 0.6]])
+    assert (np.asarray(plan.row_experts)[4:] == -1).all() and plan.peer_rows == 3
+    copies = dispatch.plan_dispatch(ids, w, num_experts=8, ranks=2, dedup=False)
+    np.testing.assert_array_equal(np.asarray(copies.send_counts), [5, 4])
+    np.testing.assert_array_equal(np.asarray(copies.row_token), [0, 0, 2, 2, 2, 0, 1, 1, 1])
+    assert copies.row_experts.shape == (9, 1) and copies.peer_rows == 9
+
+
+def test_bytes_with_dedup_never_exceed_without_and_are_equal_for_top1() -> None:
+    ids = jax.random.randint(jax.random.key(6), (256, 6), 0, 32)
+    bytes_for = functools.partial(dispatch.dispatch_bytes_per_token, num_experts=32, ranks=4, hidden=8, dtype_bytes=2)
+    assert bytes_for(ids, dedup=True) < bytes_for(ids, dedup=False)
+    assert bytes_for(ids[:, :1], dedup=True) == bytes_for(ids[:, :1], dedup=False) > 0
+    # Two tokens per rank on 2 ranks of 4 experts; rows a rank keeps for itself are free.
+    ids = jnp.array([[4, 5], [0, 6], [0, 1], [2, 7]], jnp.int32)
+    bytes_for = functools.partial(dispatch.dispatch_bytes_per_token, num_experts=8, ranks=2, hidden=1, dtype_bytes=1)
+    assert bytes_for(ids, dedup=False) == 6 / 4  # t0: 2 copies to rank 1; t1: 1; t2: 2 to rank 0; t3: 1 to rank 0
+    assert bytes_for(ids, dedup=True) == 4 / 4
+
+
+@pytest.mark.parametrize("favoured", [(0, 1, 2, 3), (0, 1, 8, 9)], ids=["all-to-rank-0", "ranks-1-3-idle"])
+def test_ranks_receiving_nothing(favoured: tuple[int, ...]) -> None:
+    params = init_params(jax.random.key(7), CFG, jnp.float32)
+    params["MoeBlock_0"]["gate"]["bias"] = params["MoeBlock_0"]["gate"]["bias"].at[jnp.array(favoured)].set(10.0)
+    x = jax.random.normal(jax.random.key(8), (TOKENS, CFG.emb_dim))
+    y, routing = ep_forward(4, True)(params, x)
+    assert set(np.unique(np.asarray(routing.indices))) == set(favoured)
+    assert rel(y, moe_forward(params, x, CFG, "ragged_dot")[0]) < 1e-6
+
+
+def _ranked_plans(dedup: bool) -> tuple[jax.Array, dispatch.DispatchPlan, dict]:
+    params = init_params(jax.random.key(9), CFG, jnp.float32)["MoeBlock_0"]
+    ids = jax.random.randint(jax.random.key(10), (4, 16, CFG.routing.top_k), 0, 16)
+    plans = jax.vmap(functools.partial(dispatch.plan_dispatch, num_experts=16, ranks=4, dedup=dedup))(
+        ids, jnp.ones(ids.shape))
+    shards = {n: params[n].reshape(4, 4, *params[n].shape[1:]) for n in ("wi_0", "wi_1", "wo")}
+    return jax.random.normal(jax.random.key(11), (4, 16, CFG.emb_dim)), plans, shards
+
+
+def _ep_routed(x: jax.Array, plans: dispatch.DispatchPlan, shards: dict) -> jax.Array:
+    body = functools.partial(dispatch.ep_routed, backend="ragged_dot", impl="emulated")
+    return jax.vmap(body, axis_name=dispatch.EP_AXIS)(x, plans, shards)
+
+
+@pytest.mark.parametrize("dedup", [True, False])
+def test_dropless_check_fires_on_a_corrupted_plan(dedup: bool) -> None:
+    x, plans, shards = _ranked_plans(dedup)
+    assert np.isfinite(np.asarray(_ep_routed(x, plans, shards))).all()
+    short = dataclasses.replace(plans, send_counts=plans.send_counts.at[0, 1].add(-1))  # one row 0 -> 1 lost
+    with pytest.raises(Exception, match="EP dispatch is not dropless"):
+        _ep_routed(x, short, shards).block_until_ready()
+    wrong = dataclasses.replace(plans, row_experts=plans.row_experts.at[2, 0, 0].set(7))  # rank holds 0..3 only
+    with pytest.raises(Exception, match="EP dispatch is not dropless"):
+        _ep_routed(x, wrong, shards).block_until_ready()
+
+
+def test_plan_rejects_experts_out_of_range_and_uneven_splits() -> None:
+    with pytest.raises(UserError, match="not dropless"):
+        dispatch.plan_dispatch(jnp.array([[0, 16]], jnp.int32), jnp.ones((1, 2)), num_experts=16, ranks=4)
+    with pytest.raises(UserError, match="does not divide"):
+        dispatch.plan_dispatch(jnp.array([[0, 1]], jnp.int32), jnp.ones((1, 2)), num_experts=16, ranks=3)
+    with pytest.raises(UserError, match="split evenly"):
+        dispatch.ep_moe_forward_emulated(init_params(jax.random.key(0), CFG, jnp.float32),
+                                         jnp.ones((6, CFG.emb_dim)), CFG, ranks=4)
+    with pytest.raises(UserError, match="emulated"):
+        dispatch.exchange(*[jnp.zeros(2)] * 6, axis_name=dispatch.EP_AXIS, impl="nccl")
+
+
+_TWO_CPU_DEVICES = textwrap.dedent("""
+    import json
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh
+    from maxtext_moe.errors import UserError
+    from maxtext_moe.moe import dispatch
+    from maxtext_moe.moe.layer import MoEConfig, init_params, moe_forward
+    from maxtext_moe.moe.routing import RoutingConfig
+
+    cfg = MoEConfig(emb_dim=32, moe_mlp_dim=16, shared_mlp_dim=16,
+                    routing=RoutingConfig(num_experts=16, top_k=4, n_groups=4, topk_groups=2))
+    params = init_params(jax.random.key(0), cfg, jnp.float32)
+    x = jax.random.normal(jax.random.key(1), (64, 32))
+    mesh = Mesh(np.array(jax.devices()), (dispatch.EP_AXIS,))
+    y = jax.jit(lambda p, x: dispatch.ep_moe_forward_sharded(p, x, cfg, mesh, impl="emulated")[0])(params, x)
+    y_one = moe_forward(params, x, cfg, "ragged_dot")[0]
+    try:
+        dispatch.ep_moe_forward_sharded(params, x, cfg, mesh, impl="ragged_all_to_all")
+        error = None
+    except UserError as e:
+        error = str(e)
+    print(json.dumps({"devices": len(jax.devices()), "error": error,
+                      "rel": float(jnp.linalg.norm(y - y_one) / jnp.linalg.norm(y_one))}))
+""")
+
+
+def test_sharded_path_on_two_cpu_devices() -> None:
+    """shard_map over 2 CPU devices: the emulated exchange matches the layer; the real one is refused clearly
+    (XLA:CPU in JAX 0.11.2 fails to compile `ragged-all-to-all` with an UNIMPLEMENTED opcode error)."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", _TWO_CPU_DEVICES], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["devices"] == 2 and result["rel"] < 1e-6
+    assert "ragged_all_to_all is not implemented on XLA:CPU; use the emulated exchange" in result["error"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(sum(d.platform == "gpu" for d in jax.devices()) < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("dedup", [True, False])
+def test_real_ragged_all_to_all_matches_emulation_on_two_gpus(dedup: bool) -> None:
+    from jax.sharding import Mesh
+
+    mesh = Mesh(np.array(jax.devices()[:2]), (dispatch.EP_AXIS,))
+    params = init_params(jax.random.key(12), CFG, jnp.float32)
+    x = jax.random.normal(jax.random.key(13), (TOKENS, CFG.emb_dim))
+    cot = jax.random.normal(jax.random.key(14), x.shape)
+
+    def run(impl: str) -> tuple[jax.Array, ...]:
+        fwd = functools.partial(dispatch.ep_moe_forward_sharded, cfg=CFG, mesh=mesh, dedup=dedup, impl=impl)
+        y = jax.jit(lambda p, x: fwd(p, x)[0])(params, x)
+        return y, *jax.jit(jax.grad(lambda p, x: jnp.sum(fwd(p, x)[0] * cot), (0, 1)))(params, x)
+
+    real, emulated = run("ragged_all_to_all"), run("emulated")
+    assert rel(real[0], emulated[0]) < 1e-5
+    for a, b in zip(jax.tree.leaves(real[1:]), jax.tree.leaves(emulated[1:])):
+        assert np.array_equal(np.asarray(a), np.asarray(b)) or rel(a, b) < 1e-5
