@@ -52,7 +52,8 @@ class BenchResult:
     loss_last: float
     loss_finite_and_falling: bool  # mean of the second half of the timed steps below the first half's
     date: str
-    settings: dict[str, Any]
+    settings: dict[str, Any]  # the MaxText keys the bench ran with
+    moe: dict[str, Any]  # the recipe's moe section (which routed-MoE block and grouped GEMM)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -62,6 +63,7 @@ class BenchResult:
         mem = "n/a" if self.peak_device_memory_gib is None else f"{self.peak_device_memory_gib:.1f} GiB"
         rows = [
             ("recipe", f"{self.recipe} on {self.devices} x {self.hardware}"),
+            ("MoE block", ", ".join(f"{k} {v}" for k, v in self.moe.items())),
             ("steps", f"{self.warmup_steps} warm-up + {self.timed_steps} timed"),
             ("step time", f"median {self.step_s_median:.3f} s (min {self.step_s_min:.3f}, max {self.step_s_max:.3f})"),
             ("predicted step time", "n/a (no device peak)" if self.predicted_step_s is None
@@ -133,7 +135,7 @@ def run(resolved: ResolvedRecipe, *, steps: int, warmup: int, out: Callable[[str
         host_peak_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         predicted_step_s=predicted.step_s if predicted else None, loss_first=losses[0], loss_last=losses[-1],
         loss_finite_and_falling=learning,
-        date=time.strftime("%Y-%m-%d"), settings=maxtext,
+        date=time.strftime("%Y-%m-%d"), settings=maxtext, moe=resolved.moe,
     )
 
 
