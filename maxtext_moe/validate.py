@@ -202,8 +202,10 @@ def _moe(comp: Composition, check: _Checker, hw: Hardware) -> dict[str, Any]:
                             source=v.source)
     impl = sec["impl"].value if "impl" in sec else "maxtext"
     if impl == "maxtext":
+        # An explicit `impl: maxtext` (say, a command-line override of a recipe using ours) drops our
+        # block's settings; setting them with no impl at all is a mistake worth a message.
         extra = next((k for k in sec if k != "impl"), None)
-        if extra:
+        if extra and "impl" not in sec:
             raise UserError("applies only to moe.impl: ours; MaxText's own block is tuned with MaxText keys "
                             "(use_tokamax_gmm, te_moe_block).", key=f"moe.{extra}", source=sec[extra].source,
                             fix="set moe.impl: ours, or remove it.")

@@ -210,5 +210,6 @@ def test_moe_section_defaults_and_checks():
         error_of(TINY, "moe.impl=ours", "topology.gpus_per_node=2", "ici_expert_parallelism=2")
     assert "decoder_block: is 'llama2', but moe.impl: ours replaces the routed experts of MaxText's DeepSeek" in \
         error_of(TINY, "moe.impl=ours", "decoder_block=llama2")
+    assert compose_resolve("deepseek3-proxy-h200-1gpu", "moe.impl=maxtext").moe == {"impl": "maxtext"}
     gpu = compose_resolve(TINY, "moe.impl=ours", "topology.hardware=h200", "topology.gpus_per_node=1")
     assert gpu.moe["gemm"] == "te"

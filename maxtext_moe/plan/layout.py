@@ -56,7 +56,7 @@ class Layout:
     remat: dict[str, str]  # tensor -> device | offload | remat
     remat_name: str
     ragged_buffer_factor: float
-    moe_path: str  # te (TE MoE block), tokamax, ragged_dot, dense
+    moe_path: str  # grouped-GEMM kernel: te (TE block or ours with moe.gemm te), tokamax, ragged_dot, dense
     dense_fp8: bool
     expert_fp8: bool
     vocab_tiling: int
@@ -153,8 +153,11 @@ def from_recipe(r: ResolvedRecipe, gpus: int | None = None, gpu_type: str | None
     weight_bytes = _dtype_bytes(r, "weight_dtype", "float32")
     quant = str(r.effective("quantization") or "")
     te = bool(r.effective("te_moe_block"))
-    moe_path = ("te" if te else "tokamax" if r.effective("use_tokamax_gmm") else
-                "ragged_dot" if r.effective("sparse_matmul") else "dense")
+    if r.moe["impl"] == "ours":  # our block: the recipe's moe.gemm picks the grouped-GEMM kernel
+        moe_path = r.moe["gemm"]
+    else:
+        moe_path = ("te" if te else "tokamax" if r.effective("use_tokamax_gmm") else
+                    "ragged_dot" if r.effective("sparse_matmul") else "dense")
     flags = str(r.env.get("XLA_FLAGS", ""))
     pp = mesh["pp"]
     return Layout(
