@@ -85,6 +85,12 @@ def train(resolved: ResolvedRecipe, *, force: bool = False, verbose: bool = Fals
     """Train `resolved` to its `steps`, resuming from the latest checkpoint; returns the last metrics."""
     rp = run_paths(resolved)
     os.environ.update(resolved.env)
+    # MaxText 0.2.5 looks for its tokenizers under a source checkout's src/maxtext/assets; point it at
+    # the installed package's copy so `tokenizer_path: tokenizer.llama2` works from a pip install.
+    os.environ.setdefault("MAXTEXT_ASSETS_ROOT", str(maxtext_keys.assets_dir()))
+    # MaxText imports transformers for tokenizer and model-config classes; its start-up notices
+    # (no PyTorch, RoPE config names) say nothing about this run.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     # Several processes: start jax.distributed now, before any device use, so that process 0 alone
     # guards the run folder and writes the corpus while the others wait (distributed.leader_first).
     proc = distributed.initialize(resolved.topology, timeout_s=int(resolved.effective("jax_distributed_initialization_timeout")))
@@ -103,12 +109,6 @@ def train(resolved: ResolvedRecipe, *, force: bool = False, verbose: bool = Fals
         source = resolved.sources.get("corpus.source", resolved.name)
         with distributed.leader_first(proc, "corpus"):
             maxtext["grain_train_files"] = corpus.prepare(resolved.corpus, source, corpus.default_dir(rp.output), log=out)
-    # MaxText 0.2.5 looks for its tokenizers under a source checkout's src/maxtext/assets; point it at
-    # the installed package's copy so `tokenizer_path: tokenizer.llama2` works from a pip install.
-    os.environ.setdefault("MAXTEXT_ASSETS_ROOT", str(maxtext_keys.assets_dir()))
-    # MaxText imports transformers for tokenizer and model-config classes; its start-up notices
-    # (no PyTorch, RoPE config names) say nothing about this run.
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     with _maxtext_logging(proc.per_process(rp.log), verbose):
         if resolved.moe["impl"] == "ours":  # before MaxText builds the model; after jax.distributed is up (TE probe)
             from maxtext_moe.moe import integration
@@ -126,9 +126,9 @@ def train(resolved: ResolvedRecipe, *, force: bool = False, verbose: bool = Fals
             except Exception as e:
                 if start and progress.last is None:
                     raise UserError(
-                        f"MaxText could not resume from the checkpoint at step {found.latest} in "
-                        f"{rp.run / 'checkpoints'}: {type(e).__name__}: {e}. Nothing was deleted.",
-                        fix="move that step's folder aside to resume from an earlier one, or choose another run_name; "
-                            f"details in {rp.log}.") from e
+                        f"MaxText failed before its first step while resuming from the checkpoint at step "
+                        f"{found.latest} in {rp.run / 'checkpoints'}: {type(e).__name__}: {e}. Nothing was deleted.",
+                        fix="if the checkpoint is at fault, move that step's folder aside to resume from an earlier "
+                            f"one, or choose another run_name; details in {rp.log}.") from e
                 raise
     return progress.last

@@ -126,7 +126,7 @@ def test_corrupt_checkpoint_data_gives_a_clear_resume_error(trained, tmp_path):
             f.write_bytes(b"garbage")
     r = run_cli("train", "steps=32", f"base_output_directory={out}", *SMALL)
     assert r.returncode == 2
-    assert "MaxText could not resume from the checkpoint at step 29" in r.stderr
+    assert "MaxText failed before its first step while resuming from the checkpoint at step 29" in r.stderr
     assert "Nothing was deleted." in r.stderr and (out / RUN / "checkpoints" / "29").is_dir()
 
 
