@@ -226,10 +226,24 @@ def _moe(comp: Composition, check: _Checker, hw: Hardware) -> dict[str, Any]:
     if check.value("te_moe_block"):
         check.fail("te_moe_block", "is true, but moe.impl: ours replaces the routed-expert block with ours.",
                    "choose one: set te_moe_block: false, or remove moe.impl.")
-    if check.value("ici_expert_parallelism") != 1:
-        check.fail("ici_expert_parallelism", "is not 1, but moe.impl: ours keeps every expert on its device so far "
-                                             "(no expert-parallel dispatch yet).",
-                   "use moe.impl: maxtext for expert parallelism, or set ici_expert_parallelism: 1.")
+
+    def split(axis: str) -> str | None:
+        """The first of ici_/dcn_`axis`_parallelism that splits the mesh (-1 included), or None."""
+        return next((k for net in ("ici", "dcn") if check.value(k := f"{net}_{axis}_parallelism") != 1), None)
+
+    expert_parallel = split("expert") is not None
+    # Our dispatch runs over the mesh axis `expert` (`integration.py`); these MaxText EP variants use others.
+    if expert_parallel and check.value("use_ring_of_experts"):
+        check.fail("use_ring_of_experts", "is true, but moe.impl: ours does its own expert-parallel dispatch "
+                                          "(deduplicated ragged all-to-all), not MaxText's ring of experts.",
+                   "set use_ring_of_experts: false, or use moe.impl: maxtext.")
+    if expert_parallel and check.value("custom_mesh_and_rule") == "cp-as-ep":
+        check.fail("custom_mesh_and_rule", "is cp-as-ep, but moe.impl: ours dispatches over the expert axis alone.",
+                   "remove custom_mesh_and_rule, or use moe.impl: maxtext.")
+    if expert_parallel and split("pipeline"):
+        check.fail(split("pipeline"), "is not 1, but moe.impl: ours does not run expert parallelism inside "
+                                      "MaxText's pipeline stages.",
+                   "set it to 1, or use moe.impl: maxtext.")
     return {"impl": impl, "gemm": gemm, "te_gemm_path": sec["te_gemm_path"].value if "te_gemm_path" in sec else "auto"}
 
 

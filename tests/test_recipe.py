@@ -105,7 +105,7 @@ def test_invalid_yaml_names_file(recipe_file):
 def test_wrong_type(recipe_file):
     msg = error_of(TINY, "steps=abc")
     assert msg.startswith("command line: steps: must be an integer, got 'abc' (str).")
-    path = recipe_file(f"include: [base/maxtext-moe, model/deepseek3-tiny, hardware/cpu, parallelism/single-device]\n"
+    path = recipe_file("include: [base/maxtext-moe, model/deepseek3-tiny, hardware/cpu, parallelism/single-device]\n"
                        "maxtext: {sparse_matmul: 'yes'}\n")
     assert f"{path}: sparse_matmul: must be true or false" in error_of(path)
 
@@ -206,8 +206,10 @@ def test_moe_section_defaults_and_checks():
     assert "moe.gemm: applies only to moe.impl: ours" in error_of(TINY, "moe.gemm=tokamax")
     assert "moe.gemm: is te, but Transformer Engine's grouped GEMM needs an NVIDIA GPU" in \
         error_of(TINY, "moe.impl=ours", "moe.gemm=te")
-    assert "ici_expert_parallelism: is not 1, but moe.impl: ours keeps every expert on its device" in \
-        error_of(TINY, "moe.impl=ours", "topology.gpus_per_node=2", "ici_expert_parallelism=2")
+    ep = ("moe.impl=ours", "topology.gpus_per_node=2", "ici_expert_parallelism=2", "ici_fsdp_parallelism=1")
+    assert compose_resolve(TINY, *ep).maxtext["ici_expert_parallelism"] == 2
+    assert "use_ring_of_experts: is true, but moe.impl: ours does its own expert-parallel dispatch" in \
+        error_of(TINY, *ep, "use_ring_of_experts=true")
     assert "decoder_block: is 'llama2', but moe.impl: ours replaces the routed experts of MaxText's DeepSeek" in \
         error_of(TINY, "moe.impl=ours", "decoder_block=llama2")
     assert compose_resolve("deepseek3-proxy-h200-1gpu", "moe.impl=maxtext").moe == {"impl": "maxtext"}

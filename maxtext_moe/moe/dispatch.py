@@ -15,14 +15,24 @@ tokens. Everything is a pure function of arrays, with static shapes sized for th
                    emulation from `all_gather` + gathers (runs on any backend, also under `vmap`).
   `expand_reduce`  receive side: one copy per (row, local expert), grouped GEMMs, weighted sum per row.
   `ep_routed`      the routed part on one rank: plan -> exchange -> expand/reduce -> exchange back -> sum.
-Drivers: `ep_moe_forward_emulated` (ranks on an explicit leading axis through `vmap`: the CPU reference)
-and `ep_moe_forward_sharded` (`shard_map` over a mesh axis; the real path on GPUs).
+Drivers: `ep_moe_forward_emulated` (ranks on an explicit leading axis through `vmap`: the CPU reference),
+`ep_routed_sharded` (the routed experts under `shard_map` over any mesh with an expert axis: what
+`integration.py` runs inside MaxText's decoder) and `ep_moe_forward_sharded` (it plus the shared expert).
+
+Receive buffers: by default (`buffer_factor` <= 0) each rank's receive buffer has the dropless worst case,
+R * peer_rows rows (R * T with dedup), which at DeepSeek-V3 scale is far more than a rank receives. With
+`buffer_factor` > 0 it has `receive_rows` = ceil(factor * balanced) rows, balanced being what a rank
+receives when every token sends its most rows (min(k, R) with dedup, k without) spread evenly over the
+ranks: MaxText's `ragged_buffer_factor` meaning, counted in our rows. Rows from the senders are packed
+one after another, so the bound is on the rank's total; should a batch need more, the exchange never
+writes past the buffer and a guard raises (`_guard_capacity`) instead of dropping rows silently.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Literal
 
 import jax
@@ -32,8 +42,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from maxtext_moe.errors import UserError
-from maxtext_moe.moe.gemm import Backend, grouped_matmul
-from maxtext_moe.moe.layer import MoEConfig, Params, gate_logits, permute_rows, shared_expert, sort_by_expert
+from maxtext_moe.moe.gemm import Backend
+from maxtext_moe.moe.layer import (MoEConfig, Params, expert_mlp, gate_logits, permute_rows, shared_expert,
+                                   sort_by_expert)
 from maxtext_moe.moe.routing import Routing, route
 
 Impl = Literal["ragged_all_to_all", "emulated"]
@@ -53,8 +64,8 @@ class DispatchPlan:
     row_experts  [N, S]     the destination's local expert index per slot, -1 on an empty slot
     row_weights  [N, S]     combine weight per slot, 0 on an empty slot
     top_k        static     experts per token (the dropless check expects tokens * top_k copies)
-    peer_rows    static     most rows one source can send one destination: the receive buffer holds
-                            R * peer_rows rows (T with dedup; T * min(k, L) without)
+    peer_rows    static     most rows one source can send one destination: the worst-case receive
+                            buffer holds R * peer_rows rows (T with dedup; T * min(k, L) without)
     """
 
     send_counts: jax.Array
@@ -188,52 +199,96 @@ def expand_reduce(x: jax.Array, row_experts: jax.Array, row_weights: jax.Array, 
     sizes = sizes[:num_local]
 
     x_sorted = permute_rows(jnp.repeat(x, slots, axis=0), order, inverse)
-    h0 = grouped_matmul(x_sorted, experts["wi_0"], sizes, backend)
-    h1 = grouped_matmul(x_sorted, experts["wi_1"], sizes, backend)
-    act = (jax.nn.silu(h0.astype(jnp.float32)) * h1.astype(jnp.float32)).astype(x.dtype)
-    out = permute_rows(grouped_matmul(act, experts["wo"], sizes, backend), inverse, order)
+    out = permute_rows(expert_mlp(x_sorted, experts, sizes, backend), inverse, order)
     out = jnp.where(valid[:, None], out, 0).reshape(rows, slots, -1)
     y = jnp.einsum("msd,ms->md", out, row_weights.astype(x.dtype), preferred_element_type=jnp.float32)
     return y, jnp.sum(valid, dtype=jnp.int32)
 
 
+def receive_rows(plan: DispatchPlan, buffer_factor: float) -> int:
+    """Rows of each rank's receive buffer: the worst case R * peer_rows when `buffer_factor` <= 0, else
+    ceil(factor * balanced), capped at the worst case. Balanced is the N send rows of one source (every
+    token sending its most rows): spread evenly, R sources send a rank N/R rows each. Without dedup this is
+    exactly MaxText's `ragged_buffer_factor` buffer (factor * T * k)."""
+    worst = plan.send_counts.shape[0] * plan.peer_rows
+    if buffer_factor <= 0:
+        return worst
+    return min(worst, math.ceil(buffer_factor * plan.row_token.shape[0]))
+
+
+def _raise_overflow(needed: np.ndarray, capacity: int, buffer_factor: float) -> None:
+    raise UserError(f"EP receive buffer overflow: a rank needs {int(needed)} rows but its buffer holds {capacity} "
+                    f"(ragged_buffer_factor={buffer_factor}); no row was dropped: this step is stopped instead.",
+                    key="ragged_buffer_factor",
+                    fix="raise ragged_buffer_factor, or set it to -1 for the dropless worst-case buffer.")
+
+
+def _guard_capacity(received: jax.Array, capacity: int, buffer_factor: float) -> None:
+    """Stop the step when some rank's rows exceed its buffer. `received` [R] is the same on every rank (it
+    comes from the all-gathered counts), so every rank takes the same branch; the host callback runs only
+    when the buffer overflows, the common step pays one predicate read."""
+    needed = jnp.max(received)
+    jax.lax.cond(needed > capacity,
+                 lambda n: jax.debug.callback(functools.partial(_raise_overflow, capacity=capacity,
+                                                                buffer_factor=buffer_factor), n),
+                 lambda n: None, needed)
+
+
 def ep_routed(x: jax.Array, plan: DispatchPlan, experts: Params, *, backend: Backend, impl: Impl,
-              axis_name: str = EP_AXIS, check: bool = True) -> jax.Array:
+              axis_name: str = EP_AXIS, check: bool = True, buffer_factor: float = -1.0) -> jax.Array:
     """Routed-expert output [T, D] float32 for this rank's tokens `x` [T, D], its `plan`, and its expert
     shard `experts` ({wi_0, wi_1: [L, D, F], wo: [L, F, D]}). Runs per rank under shard_map or vmap.
 
-    Send: row i of the send buffer is x[row_token[i]]; rank s's rows land at s * peer_rows in each
-    destination's receive buffer (pre-filled as padding: zeros, expert -1). Return: each destination sends
-    one reduced row per received row back to the position it came from; the source sums rows per token.
+    Send: row i of the send buffer is x[row_token[i]]; in each destination's receive buffer (`receive_rows`
+    rows, pre-filled as padding: zeros, expert -1) the senders' rows follow one another in rank order.
+    Return: each destination sends one reduced row per received row back to the position it came from; the
+    source sums rows per token. With a capped buffer (`buffer_factor` > 0) rows past the end are never sent
+    and `_guard_capacity` stops the step; the `check` of copies still counts every (token, expert) pair.
     """
-    ranks, cap = plan.send_counts.shape[0], plan.peer_rows
-    recv_counts = _transpose(plan.send_counts, axis_name)
-    to_me = jnp.full((ranks,), jax.lax.axis_index(axis_name) * cap, jnp.int32)
+    ranks = plan.send_counts.shape[0]
+    capacity = receive_rows(plan, buffer_factor)
+    me = jax.lax.axis_index(axis_name)
+    counts = jax.lax.all_gather(plan.send_counts, axis_name)  # [source, destination]
+    landing = jnp.cumsum(counts, axis=0) - counts  # where source s's rows start in destination d's buffer
+    if capacity < ranks * plan.peer_rows:
+        _guard_capacity(jnp.sum(counts, axis=0), capacity, buffer_factor)
+    fits = jnp.clip(capacity - landing, 0, counts)  # never write past a receive buffer
+    send_sizes, recv_sizes = fits[me], fits[:, me]
+    out_offsets, recv_offsets = landing[me], landing[:, me]
     ex = functools.partial(exchange, axis_name=axis_name, impl=impl)
 
     def send(rows: jax.Array, pad: float) -> jax.Array:
-        buffer = jnp.full((ranks * cap, *rows.shape[1:]), pad, rows.dtype)
-        return ex(rows, buffer, plan.send_offsets, plan.send_counts, to_me, recv_counts)
+        buffer = jnp.full((capacity, *rows.shape[1:]), pad, rows.dtype)
+        return ex(rows, buffer, plan.send_offsets, send_sizes, out_offsets, recv_sizes)
 
     recv_x = send(x[plan.row_token], 0)
     y_recv, copies = expand_reduce(recv_x, send(plan.row_experts, -1), send(plan.row_weights, 0), experts, backend)
     if check:
         _check_dropless(jax.lax.psum(copies, axis_name), x.shape[0] * plan.top_k * ranks, "the expert ranks together")
     back = ex(y_recv.astype(x.dtype), jnp.zeros((plan.row_token.shape[0], x.shape[1]), x.dtype),
-              jnp.arange(ranks, dtype=jnp.int32) * cap, recv_counts, _transpose(plan.send_offsets, axis_name),
-              plan.send_counts)
+              recv_offsets, recv_sizes, _transpose(plan.send_offsets, axis_name), send_sizes)
     return jax.ops.segment_sum(back.astype(jnp.float32), plan.row_token, num_segments=x.shape[0])
 
 
-def _rank_forward(gate: Params, experts: Params, shared: Params, x: jax.Array, *, cfg: MoEConfig, ranks: int,
-                  dedup: bool, backend: Backend, impl: Impl, axis_name: str) -> tuple[jax.Array, ...]:
-    """`layer.moe_forward` on one rank's tokens, with the routed experts spread over the ranks."""
-    routing = route(gate_logits(x, gate["kernel"]), gate["bias"], cfg.routing)
+def _rank_routed(gate: Params, experts: Params, x: jax.Array, *, cfg: MoEConfig, ranks: int, dedup: bool,
+                 backend: Backend, impl: Impl, axis_name: str, buffer_factor: float) -> tuple[jax.Array, ...]:
+    """`layer.routed_experts` on one rank's tokens `x` [..., D], with the experts spread over the ranks:
+    (float32 output shaped like `x`, expert ids and weights [..., k])."""
+    tokens = x.reshape(-1, cfg.emb_dim)
+    routing = route(gate_logits(tokens, gate["kernel"]), gate["bias"], cfg.routing)
     plan = plan_dispatch(routing.indices, routing.weights, cfg.routing.num_experts, ranks, dedup=dedup,
                          check=cfg.check_dropless)
-    routed = ep_routed(x, plan, experts, backend=backend, impl=impl, axis_name=axis_name, check=cfg.check_dropless)
+    routed = ep_routed(tokens, plan, experts, backend=backend, impl=impl, axis_name=axis_name,
+                       check=cfg.check_dropless, buffer_factor=buffer_factor)
+    lead = x.shape[:-1]
+    return routed.reshape(x.shape), routing.indices.reshape(*lead, -1), routing.weights.reshape(*lead, -1)
+
+
+def _rank_forward(gate: Params, experts: Params, shared: Params, x: jax.Array, **kw) -> tuple[jax.Array, ...]:
+    """`layer.moe_forward` on one rank's tokens, with the routed experts spread over the ranks."""
+    routed, indices, weights = _rank_routed(gate, experts, x, **kw)
     y = routed + shared_expert(x, shared).astype(jnp.float32)
-    return y.astype(x.dtype), routing.indices, routing.weights
+    return y.astype(x.dtype), indices, weights
 
 
 def _split_tokens(x: jax.Array, cfg: MoEConfig, ranks: int) -> jax.Array:
@@ -266,33 +321,51 @@ def ep_moe_forward_emulated(params: Params, x: jax.Array, cfg: MoEConfig, ranks:
     p = params["MoeBlock_0"]
     shards = {n: p[n].reshape(ranks, num_local, *p[n].shape[1:]) for n in _EXPERT_KEYS}
     body = functools.partial(_rank_forward, cfg=cfg, ranks=ranks, dedup=dedup, backend=backend, impl="emulated",
-                             axis_name=EP_AXIS)
+                             axis_name=EP_AXIS, buffer_factor=-1.0)
     y, indices, weights = jax.vmap(body, in_axes=(None, 0, None, 0), axis_name=EP_AXIS)(
         p["gate"], shards, params["shared_experts"], tokens.reshape(ranks, -1, cfg.emb_dim))
     return y.reshape(x.shape), _routing(indices, weights, cfg)
 
 
-def ep_moe_forward_sharded(params: Params, x: jax.Array, cfg: MoEConfig, mesh: Mesh, *, axis_name: str = EP_AXIS,
-                           dedup: bool = True, backend: Backend = "ragged_dot",
-                           impl: Impl = "ragged_all_to_all") -> tuple[jax.Array, Routing]:
-    """`moe_forward` with tokens and experts sharded over `mesh` axis `axis_name` (`shard_map`).
+def ep_routed_sharded(p: Params, x: jax.Array, cfg: MoEConfig, mesh: Mesh, *, token_spec: P,
+                      axis_name: str = EP_AXIS, dedup: bool = True, backend: Backend = "ragged_dot",
+                      impl: Impl = "ragged_all_to_all", buffer_factor: float = -1.0,
+                      check_vma: bool = True) -> tuple[jax.Array, Routing]:
+    """The routed experts (`p`: MaxText's `MoeBlock_0` tree) on `x` [..., D] under `shard_map` over `mesh`:
+    (float32 output shaped like `x`, the routing used).
 
-    "ragged_all_to_all" is refused up front on CPU devices, where XLA would fail at compile time with an
-    opcode error; "emulated" runs there (and on GPUs, as a cross-check of the real collective).
+    `token_spec` is how `x` is sharded (its last dimension unsharded); each device routes its own tokens
+    and exchanges them over `axis_name` only, so other mesh axes (data, FSDP) stay independent groups, and
+    a token axis that is not sharded over `axis_name` is still correct (each rank then serves its copy).
+    The experts are split over `axis_name` on their first dimension and replicated over the other axes
+    (GSPMD gathers any other sharding at the boundary), the gate is replicated. "ragged_all_to_all" is
+    refused up front on CPU devices, where XLA would fail at compile time with an opcode error; "emulated"
+    runs there (and on GPUs, as a cross-check of the real collective).
     """
     if impl == "ragged_all_to_all" and any(d.platform == "cpu" for d in mesh.devices.flat):
         raise UserError("ragged_all_to_all is not implemented on XLA:CPU; use the emulated exchange.",
                         fix="pass impl='emulated' (or ep_moe_forward_emulated) on CPU; the real collective needs GPUs.")
     ranks = mesh.shape[axis_name]
-    tokens = _split_tokens(x, cfg, ranks)
     local_experts(cfg.routing.num_experts, ranks)  # our message, before shard_map's own about uneven shards
-    p = params["MoeBlock_0"]
-    body = functools.partial(_rank_forward, cfg=cfg, ranks=ranks, dedup=dedup, backend=backend, impl=impl,
-                             axis_name=axis_name)
-    y, indices, weights = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(axis_name), P(), P(axis_name)),
-                                        out_specs=P(axis_name))(
-        p["gate"], {n: p[n] for n in _EXPERT_KEYS}, params["shared_experts"], tokens)
-    return y.reshape(x.shape), _routing(indices, weights, cfg)
+    body = functools.partial(_rank_routed, cfg=cfg, ranks=ranks, dedup=dedup, backend=backend, impl=impl,
+                             axis_name=axis_name, buffer_factor=buffer_factor)
+    routed, indices, weights = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(axis_name), token_spec),
+                                             out_specs=token_spec, check_vma=check_vma)(
+        p["gate"], {n: p[n] for n in _EXPERT_KEYS}, x)
+    return routed, _routing(indices, weights, cfg)
+
+
+def ep_moe_forward_sharded(params: Params, x: jax.Array, cfg: MoEConfig, mesh: Mesh, *, axis_name: str = EP_AXIS,
+                           dedup: bool = True, backend: Backend = "ragged_dot", impl: Impl = "ragged_all_to_all",
+                           buffer_factor: float = -1.0) -> tuple[jax.Array, Routing]:
+    """`moe_forward` with tokens and experts sharded over `mesh` axis `axis_name`: `ep_routed_sharded` on the
+    tokens split into contiguous slices, plus the shared expert."""
+    tokens = _split_tokens(x, cfg, ranks=mesh.shape[axis_name])
+    routed, routing = ep_routed_sharded(params["MoeBlock_0"], tokens, cfg, mesh, token_spec=P(axis_name),
+                                        axis_name=axis_name, dedup=dedup, backend=backend, impl=impl,
+                                        buffer_factor=buffer_factor)
+    y = routed + shared_expert(tokens, params["shared_experts"]).astype(jnp.float32)
+    return y.astype(x.dtype).reshape(x.shape), routing
 
 
 def dispatch_bytes_per_token(expert_ids: jax.Array, num_experts: int, ranks: int, hidden: int, dtype_bytes: int,

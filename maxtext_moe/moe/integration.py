@@ -15,6 +15,15 @@ MaxText's `MlpBlock`. What MaxText's loop reads from the block comes out as befo
 load-balance loss (MaxText's own loss functions, fed our routing) and the aux-loss-free bias update
 (MaxText's `load_balance_updates_from_counts` on our expert counts; the loop adds it to the gate bias).
 
+Expert parallelism: when MaxText's mesh has an `expert` axis of size > 1, the routed experts run through
+`dispatch.ep_routed_sharded` under `shard_map` over MaxText's own mesh, sharded as MaxText's
+`sparse_matmul` shards them: tokens by the logical axes (`activation_batch`, or `decode_batch_moe` for a
+batch of 1, and `activation_norm_length`), experts by their first dimension over `expert`. The exchange is
+chosen from the devices, not from the recipe (no `moe.exchange` key): `jax.lax.ragged_all_to_all` on GPUs,
+the all_gather emulation elsewhere (XLA:CPU has no ragged_all_to_all; the emulation moves R times the bytes
+and is for tests). The receive buffers follow MaxText's `ragged_buffer_factor` (-1: dropless worst case;
+> 0: that many times the balanced rows, and a step that would need more stops with an error, see dispatch.py).
+
 We rebind the DeepSeek layer rather than `moe.RoutedAndSharedMoE` or `moe.RoutedMoE` because those are
 shared by other models and by `maxtext_block.py`, our yardstick, which must stay MaxText's block.
 """
@@ -26,11 +35,12 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 from maxtext.layers import moe as mt_moe
 from maxtext.models import deepseek
 
 from maxtext_moe.errors import UserError
-from maxtext_moe.moe import gemm
+from maxtext_moe.moe import dispatch, gemm
 from maxtext_moe.moe.gemm import Backend
 from maxtext_moe.moe.layer import MoEConfig, Params, gate_logits, routed_experts
 from maxtext_moe.moe.routing import Routing, RoutingConfig
@@ -68,7 +78,12 @@ def unsupported(config: Any, layer: deepseek.DeepSeekMoELayer) -> list[str]:
         "prefuse_moe_weights=true (ours reads wi_0 and wi_1)": bool(config.prefuse_moe_weights),
         "use_random_routing=true": bool(config.use_random_routing),
         "moe_expert_input_dim != emb_dim": config.moe_expert_input_dim > 0 and config.moe_expert_input_dim != config.emb_dim,
-        "expert parallelism > 1 (no expert-parallel dispatch yet)": routed.get_expert_parallelism_size() > 1,
+        f"expert axis {routed._expert_parallelism_name!r} (ours dispatches over the mesh axis 'expert' only)":
+            routed._expert_parallelism_name != dispatch.EP_AXIS,
+        "use_ring_of_experts=true (MaxText's own expert-parallel scheme)":
+            bool(config.use_ring_of_experts) and routed.get_expert_parallelism_size() > 1,
+        "pipeline parallelism with expert parallelism (shard_map under the stage vmap)":
+            routed.mesh.shape.get("stage", 1) > 1 and routed.get_expert_parallelism_size() > 1,
         "mhc_expansion_rate > 1 (MaxText's hyper-connections call the block directly)": bool(layer.is_mhc_enabled),
         "use_batch_split_schedule=true (it bypasses the layer's MoE call)": bool(config.use_batch_split_schedule),
     }
@@ -87,6 +102,11 @@ class OurDeepSeekMoELayer(deepseek.DeepSeekMoELayer):
             raise UserError(f"is ours, but our layer cannot compute this model's MoE layer: {'; '.join(refused)}.",
                             key="moe.impl", fix="use moe.impl: maxtext for this model, or change those keys.")
         self.our_moe_config = moe_config(config)
+        routed = self.DeepSeekMoeBlock_0.MoeBlock_0
+        ranks = routed.get_expert_parallelism_size()
+        if ranks > 1:
+            log.info("moe.impl=ours: expert parallelism %d (exchange %s, ragged_buffer_factor %s)",
+                     ranks, exchange_impl(routed.mesh), routed.get_ragged_buffer_factor())
 
     def mlp_op(self, x: jax.Array, deterministic: bool, *args: Any, **kwargs: Any):
         """Replaces MaxText's `self.DeepSeekMoeBlock_0(x, ...)`: (output, load-balance loss, bias update)."""
@@ -95,7 +115,10 @@ class OurDeepSeekMoELayer(deepseek.DeepSeekMoELayer):
         x = x.astype(mt.dtype)
         tokens = x.reshape(-1, cfg.emb_dim)
         params = _routed_params(block.MoeBlock_0, cfg.routing.num_experts)
-        routed, routing = routed_experts(params, tokens, cfg, self.backend)
+        if block.MoeBlock_0.get_expert_parallelism_size() > 1:
+            routed, routing = _expert_parallel(block.MoeBlock_0, params, x, cfg, self.backend)
+        else:
+            routed, routing = routed_experts(params, tokens, cfg, self.backend)
         shared = block.shared_experts(x, intermediate_sharding=self.mlp_intermediate_sharding,
                                       out_sharding=self.out_sharding)
         out = routed.astype(mt.dtype).reshape(x.shape) + shared
@@ -108,6 +131,26 @@ def _routed_params(routed: mt_moe.RoutedMoE, num_experts: int) -> Params:
     bias = routed.gate.bias[...] if routed.gate.bias is not None else jnp.zeros((num_experts,), jnp.float32)
     return {"gate": {"kernel": routed.gate.kernel[...], "bias": bias},
             "wi_0": routed.wi_0[...], "wi_1": routed.wi_1[...], "wo": routed.wo[...]}
+
+
+def exchange_impl(mesh: Mesh) -> dispatch.Impl:
+    """The EP exchange for these devices: the real `ragged_all_to_all` when every device is a GPU, else the
+    emulation (XLA:CPU does not implement the collective). Derived, not configured: on GPUs the real one is
+    the only one worth training on, and elsewhere it cannot compile."""
+    return "ragged_all_to_all" if all(d.platform == "gpu" for d in mesh.devices.flat) else "emulated"
+
+
+def _expert_parallel(routed: mt_moe.RoutedMoE, params: Params, x: jax.Array, cfg: MoEConfig,
+                     backend: Backend) -> tuple[jax.Array, Routing]:
+    """The routed experts over MaxText's mesh through our dispatch: (float32 [tokens, D], routing), with the
+    token sharding MaxText's `sparse_matmul` gives its MoE input and its `ragged_buffer_factor`."""
+    batch_axis = "activation_batch" if x.shape[0] > 1 else "decode_batch_moe"  # as `is_batch_sharded_by_ep`
+    spec = routed._logical_to_mesh_axes((batch_axis, "activation_norm_length", None))
+    out, routing = dispatch.ep_routed_sharded(params, x, cfg, routed.mesh, token_spec=spec, axis_name=dispatch.EP_AXIS,
+                                              backend=backend, impl=exchange_impl(routed.mesh),
+                                              buffer_factor=routed.get_ragged_buffer_factor(),
+                                              check_vma=bool(routed.config.check_vma))
+    return out.reshape(-1, cfg.emb_dim), routing
 
 
 def _load_balance_loss(routed: mt_moe.RoutedMoE, params: Params, tokens: jax.Array, shape: tuple[int, ...],

@@ -8,7 +8,8 @@ and DeepSeek-V3 semantics, and takes the grouped-GEMM backend as an argument (`g
 Steps: route (float32) -> repeat each token k times and sort the copies by expert -> grouped GEMMs
 wi_0, wi_1 -> SiLU(h0) * h1 -> grouped GEMM wo -> unsort -> weighted sum over the k copies -> + shared expert.
 No token is dropped: every copy lands in exactly one expert's rows (checked, see `sort_by_expert`).
-Expert parallelism (dispatch across devices) is not here yet.
+Expert parallelism (dispatch across devices, with per-rank deduplication) is in `dispatch`, which runs
+the same `expert_mlp` on each rank's rows.
 """
 
 from __future__ import annotations
@@ -117,25 +118,32 @@ def shared_expert(x: jax.Array, p: Params) -> jax.Array:
     return (jax.nn.silu(h0) * h1) @ p["wo"]["kernel"].astype(x.dtype)
 
 
+def expert_mlp(x_sorted: jax.Array, experts: Params, group_sizes: jax.Array, backend: Backend) -> jax.Array:
+    """SiLU-GLU experts on rows sorted by expert: wo(silu(wi_0 x) * wi_1 x), one grouped GEMM each.
+
+    The GEMM outputs carry MaxText's remat names exactly as its `sparse_matmul` path tags them (wi_0:
+    `mlpwi_0` and `moe_mlpwi_0`; wi_1: `moe_mlpwi_1`; wo: `mlpwo` and `moe_mlpwo`), so one `remat_policy`
+    saves or offloads the same tensors with either block, on one device or under expert parallelism.
+    """
+    h0 = checkpoint_name(checkpoint_name(grouped_matmul(x_sorted, experts["wi_0"], group_sizes, backend), "mlpwi_0"),
+                         "moe_mlpwi_0")
+    h1 = checkpoint_name(grouped_matmul(x_sorted, experts["wi_1"], group_sizes, backend), "moe_mlpwi_1")
+    act = (jax.nn.silu(h0.astype(jnp.float32)) * h1.astype(jnp.float32)).astype(x_sorted.dtype)
+    return checkpoint_name(checkpoint_name(grouped_matmul(act, experts["wo"], group_sizes, backend), "mlpwo"),
+                           "moe_mlpwo")
+
+
 def routed_experts(p: Params, tokens: jax.Array, cfg: MoEConfig, backend: Backend) -> tuple[jax.Array, Routing]:
     """The routed experts alone on `tokens` [T, emb_dim]: (float32 [T, emb_dim], the routing used).
 
-    `p` is MaxText's `MoeBlock_0` subtree. The expert GEMM outputs carry MaxText's remat names exactly
-    as its `sparse_matmul` path tags them (wi_0: `mlpwi_0` and `moe_mlpwi_0`; wi_1: `moe_mlpwi_1`;
-    wo: `mlpwo` and `moe_mlpwo`), so one `remat_policy` saves or offloads the same tensors with either block.
+    `p` is MaxText's `MoeBlock_0` subtree.
     """
     k = cfg.routing.top_k
     routing = route(gate_logits(tokens, p["gate"]["kernel"]), p["gate"]["bias"], cfg.routing)
     order, inverse, group_sizes = sort_by_expert(routing.indices, cfg.routing.num_experts, cfg.check_dropless)
 
     x_sorted = permute_rows(jnp.repeat(tokens, k, axis=0), order, inverse)
-    h0 = checkpoint_name(checkpoint_name(grouped_matmul(x_sorted, p["wi_0"], group_sizes, backend), "mlpwi_0"),
-                         "moe_mlpwi_0")
-    h1 = checkpoint_name(grouped_matmul(x_sorted, p["wi_1"], group_sizes, backend), "moe_mlpwi_1")
-    act = (jax.nn.silu(h0.astype(jnp.float32)) * h1.astype(jnp.float32)).astype(tokens.dtype)
-    out_sorted = checkpoint_name(checkpoint_name(grouped_matmul(act, p["wo"], group_sizes, backend), "mlpwo"),
-                                 "moe_mlpwo")
-
+    out_sorted = expert_mlp(x_sorted, p, group_sizes, backend)
     out = permute_rows(out_sorted, inverse, order).reshape(-1, k, cfg.emb_dim)
     routed = jnp.einsum("tkd,tk->td", out, routing.weights.astype(tokens.dtype), preferred_element_type=jnp.float32)
     return routed, routing
