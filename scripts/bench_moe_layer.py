@@ -131,7 +131,6 @@ def main(argv: list[str] | None = None) -> int:
             result["runs"].append(run)
             save()
             print(json.dumps(run), flush=True)
-            del step
 
     print(f"\n{'variant':18} {'tokens':>6} {'median ms':>10} {'TFLOP/s':>8} {'rel y':>9} {'rel dx':>9}")
     for r in result["runs"]:

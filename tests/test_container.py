@@ -102,4 +102,4 @@ def test_build_script_tags_the_image_launch_defaults_to(tmp_path):
     assert (tmp_path / "docker.log").read_text().splitlines() == [
         f"build -t {tag} {REPO}", f"tag {tag} reg.example/mtm:{__version__}", f"push reg.example/mtm:{__version__}"]
     assert cluster.DEFAULT_IMAGES["slurm"].endswith(f"maxtext-moe+{__version__}.sqsh")
-    assert f'"maxtext-moe+$version.sqsh"' in (REPO / "scripts/build_container.sh").read_text()
+    assert '"maxtext-moe+$version.sqsh"' in (REPO / "scripts/build_container.sh").read_text()
