@@ -89,8 +89,12 @@ def _peak_device_memory_gib() -> float | None:
     return None if peak is None else peak / 2**30
 
 
-def run(resolved: ResolvedRecipe, *, steps: int, warmup: int, out: Callable[[str], None] = print) -> BenchResult:
-    """Train `warmup + steps` steps of `resolved` in a fresh run folder and summarise the timed ones."""
+def run(resolved: ResolvedRecipe, *, steps: int, warmup: int,
+        out: Callable[[str], None] = print) -> BenchResult | None:
+    """Train `warmup + steps` steps of `resolved` in a fresh run folder and summarise the timed ones.
+
+    Returns None in every process but the first of a multi-process run.
+    """
     from maxtext_moe import plan
     from maxtext_moe.plan import flops as plan_flops
 
@@ -98,16 +102,21 @@ def run(resolved: ResolvedRecipe, *, steps: int, warmup: int, out: Callable[[str
         raise UserError(f"needs at least 1 warm-up and 2 timed steps, got {warmup} and {steps}.",
                         fix="use --warmup 1 or more and --steps 2 or more.")
     total = warmup + steps
-    stamp = time.strftime("%Y%m%d-%H%M%S")
+    # No checkpoints, so every bench starts at step 0 and MaxText restarts the metrics file; the name has
+    # no time stamp because every process of a multi-process run must arrive at the same folder.
     maxtext = dict(resolved.maxtext, steps=total, learning_rate_schedule_steps=total, enable_checkpointing=False,
                    save_checkpoint_on_completion=False,
-                   run_name=f"{resolved.maxtext.get('run_name') or resolved.name}-bench-{stamp}")
+                   run_name=f"{resolved.maxtext.get('run_name') or resolved.name}-bench")
     bench_recipe = ResolvedRecipe(**{**resolved.__dict__, "maxtext": maxtext})
     hw = resolved.topology.profile
     # The planner's step time needs a device peak; on the CPU only its FLOPs count applies.
     predicted = plan.estimate(bench_recipe) if hw.peak_bf16_tflops else None
     flops = plan_flops.per_token(plan.Model.from_recipe(bench_recipe), int(bench_recipe.effective("max_target_length")))
     launch.train(bench_recipe, out=out)
+    import jax
+
+    if jax.process_index() != 0:  # one process writes the metrics file and reports (multi-process runs)
+        return None
     metrics = read_metrics(launch.run_paths(bench_recipe).metrics)
     timed = [metrics[s] for s in range(warmup, total) if s in metrics]
     if len(timed) != steps:

@@ -94,6 +94,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from maxtext_moe import bench
 
     result = bench.run(resolve(a.recipe, a.overrides), steps=a.steps, warmup=a.warmup)
+    if result is None:  # not the reporting process of a multi-process run
+        return 0
     if a.out:
         bench.write_json(result, Path(a.out))
     print(json.dumps(result.to_json(), indent=2, default=str) if a.json else result.render())
