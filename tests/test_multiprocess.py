@@ -27,13 +27,18 @@ def _free_port() -> int:
 
 
 def _train_two(out: Path, steps: int) -> list[subprocess.CompletedProcess]:
+    return _two("train", *SHRINK, f"steps={steps}", f"base_output_directory={out}")
+
+
+def _two(*args: str) -> list[subprocess.CompletedProcess]:
+    """`python -m maxtext_moe ARGS` as processes 0 and 1 of one job on loopback."""
     port = _free_port()
     procs = []
     for pid in range(2):
         env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
                    JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(pid))
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "maxtext_moe", "train", *SHRINK, f"steps={steps}", f"base_output_directory={out}"],
+            [sys.executable, "-m", "maxtext_moe", *args],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = []
     for p in procs:
@@ -66,3 +71,15 @@ def test_two_processes_train_checkpoint_and_resume(tmp_path):
     resumed = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()][4:]
     assert resumed and min(resumed) == 4 and max(resumed) == 5
     assert (run / "checkpoints" / "5" / "_CHECKPOINT_METADATA").is_file()
+
+
+def test_two_process_bench_reports_once(tmp_path):
+    out = tmp_path / "bench.json"
+    results = _two("bench", "deepseek3-tiny-cpu", "--steps", "2", "--warmup", "1", "--out", str(out), *SHRINK,
+                   f"base_output_directory={tmp_path}")
+    for i, r in enumerate(results):
+        assert r.returncode == 0, f"process {i}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    assert "step time" in results[0].stdout and "step time" not in results[1].stdout
+    result = json.loads(out.read_text())
+    assert result["devices"] == 2 and result["timed_steps"] == 2
+    assert result["tokens_per_step"] == 2 * 64  # batch 1 per device x 64 tokens x 2 devices
