@@ -131,7 +131,8 @@ def run(resolved: ResolvedRecipe, *, steps: int, warmup: int,
     tokens = int(round(timed[0]["perf/per_device_tokens"] * devices))
     gflops = flops.total / 1e9
     tflops = gflops * 1e9 * tokens / median / devices / 1e12
-    fp8 = any("fp8" in str(resolved.effective(k) or "") for k in FP8_KEYS)
+    fp8 = (any("fp8" in str(resolved.effective(k) or "") for k in FP8_KEYS)
+           or resolved.moe.get("fp8", "none") != "none")
     return BenchResult(
         recipe=resolved.name, hardware=hw.name, devices=devices, warmup_steps=warmup, timed_steps=steps,
         step_s_median=median, step_s_min=min(times), step_s_max=max(times), tokens_per_step=tokens,

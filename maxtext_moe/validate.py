@@ -25,7 +25,8 @@ FP8_QUANTIZATIONS = {"fp8", "fp8_e4m3", "fp8_e5m2", "nanoo_fp8", "fp8_nanoo", "f
                      "te_fp8_delayedscaling", "te_fp8_currentscaling"}
 MXFP8 = "te_mxfp8"
 
-MOE_CHOICES = {"impl": ("maxtext", "ours"), "gemm": ("te", "tokamax", "ragged_dot"), "te_gemm_path": ("auto", "v1", "v2")}
+MOE_CHOICES = {"impl": ("maxtext", "ours"), "gemm": ("te", "tokamax", "ragged_dot"), "te_gemm_path": ("auto", "v1", "v2"),
+               "fp8": ("none", "current_scaling")}
 
 # key -> (predicate, what the value must be)
 RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
@@ -216,6 +217,16 @@ def _moe(comp: Composition, check: _Checker, hw: Hardware) -> dict[str, Any]:
         raise UserError(f"is te, but Transformer Engine's grouped GEMM needs an NVIDIA GPU and this recipe runs on "
                         f"{hw.name}.", key="moe.gemm", source=sec["gemm"].source if "gemm" in sec else where,
                         fix="use moe.gemm: ragged_dot (or tokamax) on the CPU.")
+    fp8 = sec["fp8"].value if "fp8" in sec else "none"
+    if fp8 != "none":
+        # MaxText's TE block has FP8 experts only as MXFP8 (Blackwell); ours adds TE's current scaling (Hopper too).
+        if not hw.fp8:
+            raise UserError(f"is {fp8}, but {hw.name} has no FP8 matrix units.", key="moe.fp8", source=sec["fp8"].source,
+                            fix="set moe.fp8: none, or run on an FP8 GPU (topology.hardware: h100, h200, gb200, gb300).")
+        if gemm != "te":
+            raise UserError(f"is {fp8}, but FP8 expert GEMMs run on Transformer Engine's grouped GEMM only, and "
+                            f"moe.gemm is {gemm}.", key="moe.fp8", source=sec["fp8"].source,
+                            fix="set moe.gemm: te, or moe.fp8: none.")
     if check.value("decoder_block") != "deepseek":
         check.fail("decoder_block", f"is {check.value('decoder_block')!r}, but moe.impl: ours replaces the routed "
                                     "experts of MaxText's DeepSeek decoder layer only.",
@@ -244,7 +255,8 @@ def _moe(comp: Composition, check: _Checker, hw: Hardware) -> dict[str, Any]:
         check.fail(split("pipeline"), "is not 1, but moe.impl: ours does not run expert parallelism inside "
                                       "MaxText's pipeline stages.",
                    "set it to 1, or use moe.impl: maxtext.")
-    return {"impl": impl, "gemm": gemm, "te_gemm_path": sec["te_gemm_path"].value if "te_gemm_path" in sec else "auto"}
+    return {"impl": impl, "gemm": gemm, "te_gemm_path": sec["te_gemm_path"].value if "te_gemm_path" in sec else "auto",
+            "fp8": fp8}
 
 
 def _env(comp: Composition) -> dict[str, str]:

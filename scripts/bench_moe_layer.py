@@ -5,8 +5,10 @@ work of one EP8 rank), BF16, random inputs and parameters (never zeros). For eac
 `jax.grad` of sum(y * cotangent) with respect to the input and all parameters, synchronised, median of
 --iters after --warmup calls; TFLOP/s from counted matmul FLOPs (router, routed experts at top-k, shared
 expert; x3 for forward + backward); relative error of y and dL/dx against the float32 dense reference.
+`te_fp8` is TE's grouped GEMM with FP8 current scaling (`moe.fp8: current_scaling`; groups padded to 16
+rows); its TFLOP/s counts the same matmul FLOPs (compare with the FP8 peak, 1,979 on an H200).
 
-    python scripts/bench_moe_layer.py --tokens 8192 16384 --out results.json
+    python scripts/bench_moe_layer.py --tokens 8192 16384 --backends te te_fp8 --out results.json
 """
 
 from __future__ import annotations
@@ -20,14 +22,18 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import dataclasses
+
 import numpy as np
 
-from maxtext_moe.moe.gemm import BACKENDS, select_te_grouped_gemm_path
+from maxtext_moe.moe.gemm import BACKENDS, Backend, Fp8, select_te_grouped_gemm_path
 from maxtext_moe.moe.layer import MoEConfig, init_params, moe_forward
 from maxtext_moe.moe.reference import moe_reference
 from maxtext_moe.moe.routing import RoutingConfig
 
 SEQ = 4096  # MaxText's block takes [batch, seq, emb]; tokens = batch * SEQ
+# --backends names: each grouped-GEMM backend as is, and TE with FP8 current scaling.
+VARIANTS: dict[str, tuple[Backend, Fp8]] = {**{b: (b, "none") for b in BACKENDS}, "te_fp8": ("te", "current_scaling")}
 
 
 def layer_flops(cfg: MoEConfig, tokens: int) -> float:
@@ -66,7 +72,7 @@ def grad_fn(forward: Callable[[Any, jax.Array], jax.Array], cot: jax.Array) -> C
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384])
-    ap.add_argument("--backends", nargs="+", default=["te", "tokamax", "ragged_dot"], choices=BACKENDS)
+    ap.add_argument("--backends", nargs="+", default=["te", "tokamax", "ragged_dot"], choices=list(VARIANTS))
     ap.add_argument("--maxtext", action=argparse.BooleanOptionalAction, default=True,
                     help="also time MaxText's RoutedAndSharedMoE (sparse_matmul, use_tokamax_gmm=true)")
     ap.add_argument("--ragged-dot-max-tokens", type=int, default=8192,
@@ -87,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     dev = jax.devices()[0]
     result: dict[str, Any] = {"device": dev.device_kind, "jax": jax.__version__, "config": vars(a),
                               "check_dropless": False, "runs": []}
-    if "te" in a.backends:
+    if any(VARIANTS[b][0] == "te" for b in a.backends):
         result["te_grouped_gemm_path"] = select_te_grouped_gemm_path(a.te_path)
 
     def save() -> None:
@@ -106,10 +112,12 @@ def main(argv: list[str] | None = None) -> int:
         flops = layer_flops(cfg, tokens)
 
         variants: list[tuple[str, Callable, Any]] = []
-        for backend in a.backends:
+        for name in a.backends:
+            backend, fp8 = VARIANTS[name]
             if backend == "ragged_dot" and tokens > a.ragged_dot_max_tokens:
                 continue
-            variants.append((f"ours/{backend}", lambda p, x, b=backend: moe_forward(p, x, cfg, b)[0], params))
+            layer_cfg = dataclasses.replace(cfg, fp8=fp8)
+            variants.append((f"ours/{name}", lambda p, x, c=layer_cfg, b=backend: moe_forward(p, x, c, b)[0], params))
         if a.maxtext:
             from maxtext_moe.moe.maxtext_block import maxtext_moe_fn
             fn, state = maxtext_moe_fn(cfg, params, batch=tokens // SEQ, seq=SEQ, dtype="bfloat16", use_tokamax_gmm=True)

@@ -200,7 +200,7 @@ def test_every_recipe_file_is_a_mapping_with_a_description():
 def test_moe_section_defaults_and_checks():
     assert compose_resolve(TINY).moe == {"impl": "maxtext"}
     r = compose_resolve(TINY, "moe.impl=ours")
-    assert r.moe == {"impl": "ours", "gemm": "ragged_dot", "te_gemm_path": "auto"}
+    assert r.moe == {"impl": "ours", "gemm": "ragged_dot", "te_gemm_path": "auto", "fp8": "none"}
     assert r.sources["moe.gemm"] == "default for cpu"
     assert "moe.impl: must be one of maxtext, ours, got 'mine'." in error_of(TINY, "moe.impl=mine")
     assert "moe.gemm: applies only to moe.impl: ours" in error_of(TINY, "moe.gemm=tokamax")
@@ -215,3 +215,17 @@ def test_moe_section_defaults_and_checks():
     assert compose_resolve("deepseek3-proxy-h200-1gpu", "moe.impl=maxtext").moe == {"impl": "maxtext"}
     gpu = compose_resolve(TINY, "moe.impl=ours", "topology.hardware=h200", "topology.gpus_per_node=1")
     assert gpu.moe["gemm"] == "te"
+
+
+def test_moe_fp8_needs_te_and_fp8_hardware():
+    proxy = "deepseek3-proxy-h200-1gpu"
+    assert compose_resolve(proxy).moe["fp8"] == "none"
+    r = compose_resolve(proxy, "moe.fp8=current_scaling")
+    assert r.moe["fp8"] == "current_scaling" and r.sources["moe.fp8"] == "command line"
+    assert "moe.fp8: must be one of none, current_scaling, got 'mxfp8'." in error_of(proxy, "moe.fp8=mxfp8")
+    assert ("command line: moe.fp8: is current_scaling, but FP8 expert GEMMs run on Transformer Engine's grouped "
+            "GEMM only, and moe.gemm is tokamax. Fix: set moe.gemm: te, or moe.fp8: none.") in \
+        error_of(proxy, "moe.fp8=current_scaling", "moe.gemm=tokamax")
+    assert "moe.fp8: is current_scaling, but cpu has no FP8 matrix units. Fix: set moe.fp8: none" in \
+        error_of(TINY, "moe.impl=ours", "moe.fp8=current_scaling")
+    assert "moe.fp8: applies only to moe.impl: ours" in error_of(TINY, "moe.fp8=current_scaling")

@@ -42,7 +42,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from maxtext_moe.errors import UserError
-from maxtext_moe.moe.gemm import Backend
+from maxtext_moe.moe.gemm import Backend, Fp8
 from maxtext_moe.moe.layer import (MoEConfig, Params, expert_mlp, gate_logits, permute_rows, shared_expert,
                                    sort_by_expert)
 from maxtext_moe.moe.routing import Routing, route
@@ -187,7 +187,7 @@ def exchange(operand: jax.Array, output: jax.Array, input_offsets: jax.Array, se
 
 
 def expand_reduce(x: jax.Array, row_experts: jax.Array, row_weights: jax.Array, experts: Params,
-                  backend: Backend) -> tuple[jax.Array, jax.Array]:
+                  backend: Backend, fp8: Fp8 = "none") -> tuple[jax.Array, jax.Array]:
     """Receive side: rows [M, D] with slots [M, S] -> (weighted sum of their local experts' outputs [M, D]
     float32, number of valid (row, expert) copies). Empty slots (-1, or out of this rank's [0, L)) sort
     after the L expert groups, so the grouped GEMMs never see them, and are zeroed before the sum."""
@@ -199,7 +199,7 @@ def expand_reduce(x: jax.Array, row_experts: jax.Array, row_weights: jax.Array, 
     sizes = sizes[:num_local]
 
     x_sorted = permute_rows(jnp.repeat(x, slots, axis=0), order, inverse)
-    out = permute_rows(expert_mlp(x_sorted, experts, sizes, backend), inverse, order)
+    out = permute_rows(expert_mlp(x_sorted, experts, sizes, backend, fp8), inverse, order)
     out = jnp.where(valid[:, None], out, 0).reshape(rows, slots, -1)
     y = jnp.einsum("msd,ms->md", out, row_weights.astype(x.dtype), preferred_element_type=jnp.float32)
     return y, jnp.sum(valid, dtype=jnp.int32)
@@ -235,7 +235,8 @@ def _guard_capacity(received: jax.Array, capacity: int, buffer_factor: float) ->
 
 
 def ep_routed(x: jax.Array, plan: DispatchPlan, experts: Params, *, backend: Backend, impl: Impl,
-              axis_name: str = EP_AXIS, check: bool = True, buffer_factor: float = -1.0) -> jax.Array:
+              axis_name: str = EP_AXIS, check: bool = True, buffer_factor: float = -1.0,
+              fp8: Fp8 = "none") -> jax.Array:
     """Routed-expert output [T, D] float32 for this rank's tokens `x` [T, D], its `plan`, and its expert
     shard `experts` ({wi_0, wi_1: [L, D, F], wo: [L, F, D]}). Runs per rank under shard_map or vmap.
 
@@ -262,7 +263,8 @@ def ep_routed(x: jax.Array, plan: DispatchPlan, experts: Params, *, backend: Bac
         return ex(rows, buffer, plan.send_offsets, send_sizes, out_offsets, recv_sizes)
 
     recv_x = send(x[plan.row_token], 0)
-    y_recv, copies = expand_reduce(recv_x, send(plan.row_experts, -1), send(plan.row_weights, 0), experts, backend)
+    y_recv, copies = expand_reduce(recv_x, send(plan.row_experts, -1), send(plan.row_weights, 0), experts, backend,
+                                   fp8)
     if check:
         _check_dropless(jax.lax.psum(copies, axis_name), x.shape[0] * plan.top_k * ranks, "the expert ranks together")
     back = ex(y_recv.astype(x.dtype), jnp.zeros((plan.row_token.shape[0], x.shape[1]), x.dtype),
@@ -279,7 +281,7 @@ def _rank_routed(gate: Params, experts: Params, x: jax.Array, *, cfg: MoEConfig,
     plan = plan_dispatch(routing.indices, routing.weights, cfg.routing.num_experts, ranks, dedup=dedup,
                          check=cfg.check_dropless)
     routed = ep_routed(tokens, plan, experts, backend=backend, impl=impl, axis_name=axis_name,
-                       check=cfg.check_dropless, buffer_factor=buffer_factor)
+                       check=cfg.check_dropless, buffer_factor=buffer_factor, fp8=cfg.fp8)
     lead = x.shape[:-1]
     return routed.reshape(x.shape), routing.indices.reshape(*lead, -1), routing.weights.reshape(*lead, -1)
 

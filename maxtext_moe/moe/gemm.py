@@ -7,6 +7,12 @@ our layer pick the kernel per run, with the same inputs and the same semantics.
 
 Rows of `x_sorted` are ordered by group; `group_sizes[g]` rows belong to group g; the sizes sum to the
 number of rows (the layer checks that: dropless).
+
+FP8 (`fp8="current_scaling"`, backend te only): MaxText's TE block offers FP8 experts only as MXFP8, which
+needs Blackwell, so Hopper gets none there. TE's `grouped_dense` also takes per-tensor current scaling
+(E4M3 forward, E5M2 gradients), which Hopper runs, given two things seen on the lent H200: a quantizer set
+built with explicit dtypes, and every group's row count a multiple of 16 counted inside `group_sizes`
+(`align.py` pads with zero rows and drops them after the GEMM).
 """
 
 from __future__ import annotations
@@ -15,15 +21,22 @@ import functools
 import importlib
 import logging
 import sys
+from types import ModuleType
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 
 from maxtext_moe.errors import UserError
+from maxtext_moe.moe.align import aligned
 
 Backend = Literal["ragged_dot", "tokamax", "te"]
 BACKENDS: tuple[Backend, ...] = ("ragged_dot", "tokamax", "te")
+
+Fp8 = Literal["none", "current_scaling"]
+FP8_MODES: tuple[Fp8, ...] = ("none", "current_scaling")
+# TE's FP8 grouped GEMM on Hopper asserts `lda % 16 == 0` per group: each group's rows padded to a multiple.
+FP8_GROUP_ALIGN = 16
 
 TePath = Literal["v1", "v2"]
 # TE's single-kernel grouped GEMM ("V2", nvte_grouped_gemm) needs cuBLASLt >= 13.4 on Hopper; TE enables it
@@ -86,12 +99,34 @@ def select_te_grouped_gemm_path(requested: str = "auto") -> TePath:
     return path
 
 
-def grouped_matmul(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array, backend: Backend) -> jax.Array:
+def _te_fp8_current_scaling(dense: ModuleType, x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """TE's `grouped_dense` with FP8 current scaling (per-tensor amax of this call; no scaling state to keep).
+
+    The dtypes are given explicitly: built from the scaling mode alone, TE's quantizer set does not run
+    (seen on the lent H200). Groups are padded to `FP8_GROUP_ALIGN` rows around the call (`align.aligned`).
+    """
+    quantize = importlib.import_module("transformer_engine.jax.quantize")
+    quantizers = quantize.QuantizerFactory.create_set(
+        scaling_mode=quantize.ScalingMode.CURRENT_TENSOR_SCALING, fwd_dtype=jnp.float8_e4m3fn,
+        bwd_dtype=jnp.float8_e5m2, n_groups=w.shape[0])
+    gemm = lambda xp, wp, sizes: dense.grouped_dense(xp, wp, sizes, quantizer_set=quantizers)  # noqa: E731
+    return aligned(gemm, x_sorted, w, group_sizes, FP8_GROUP_ALIGN).astype(x_sorted.dtype)
+
+
+def grouped_matmul(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array, backend: Backend,
+                   fp8: Fp8 = "none") -> jax.Array:
     """[M, K] rows sorted by group, [G, K, N] weights, [G] int32 sizes -> [M, N] in `x_sorted.dtype`.
 
     Accumulation is float32 in every backend. tokamax runs its Mosaic GPU kernel on GPU (what MaxText's
     `use_tokamax_gmm=true` calls) and its XLA implementation elsewhere (Mosaic GPU has no CPU target).
+    `fp8="current_scaling"` quantizes both operands to FP8 inside TE's grouped GEMM (backend te only; see
+    the module docstring); "none" computes in `x_sorted.dtype`.
     """
+    if fp8 not in FP8_MODES:
+        raise UserError(f"unknown FP8 mode {fp8!r} for the expert GEMMs.", fix=f"choose one of {', '.join(FP8_MODES)}.")
+    if fp8 != "none" and backend != "te":
+        raise UserError(f"FP8 {fp8} expert GEMMs run on TE's grouped GEMM only, not on backend {backend!r}.",
+                        fix="use backend 'te', or fp8 'none'.")
     if x_sorted.ndim != 2 or w.ndim != 3 or x_sorted.shape[1] != w.shape[1] or group_sizes.shape != (w.shape[0],):
         raise UserError(f"grouped_matmul shapes do not fit: x {x_sorted.shape}, w {w.shape}, "
                         f"group_sizes {group_sizes.shape}; want [M,K], [G,K,N], [G].")
@@ -110,5 +145,7 @@ def grouped_matmul(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array, ba
     if backend == "te":
         dense, _ = _import_te()
         select_te_grouped_gemm_path()
+        if fp8 == "current_scaling":
+            return _te_fp8_current_scaling(dense, x_sorted, w, group_sizes)
         return dense.grouped_dense(x_sorted, w, group_sizes).astype(x_sorted.dtype)
     raise UserError(f"unknown grouped-GEMM backend {backend!r}.", fix=f"choose one of {', '.join(BACKENDS)}.")

@@ -41,7 +41,7 @@ from maxtext.models import deepseek
 
 from maxtext_moe.errors import UserError
 from maxtext_moe.moe import dispatch, gemm
-from maxtext_moe.moe.gemm import Backend
+from maxtext_moe.moe.gemm import Backend, Fp8
 from maxtext_moe.moe.layer import MoEConfig, Params, gate_logits, routed_experts
 from maxtext_moe.moe.routing import Routing, RoutingConfig
 
@@ -51,14 +51,14 @@ log = logging.getLogger(__name__)
 _DEEPSEEK_ROUTING_MODELS = ("deepseek3", "kimi-k2")
 
 
-def moe_config(config: Any) -> MoEConfig:
-    """Our layer's shape from MaxText's config. The dropless host check is off: the expert ids come from
-    `top_k` over exactly `num_experts` columns, so they are in range, and a host callback per layer per
-    step would stall the GPU."""
+def moe_config(config: Any, fp8: Fp8 = "none") -> MoEConfig:
+    """Our layer's shape from MaxText's config, with the recipe's `moe.fp8` (MaxText has no such key). The
+    dropless host check is off: the expert ids come from `top_k` over exactly `num_experts` columns, so they
+    are in range, and a host callback per layer per step would stall the GPU."""
     grouped = config.n_routing_groups > 1
     return MoEConfig(
         emb_dim=config.emb_dim, moe_mlp_dim=config.moe_mlp_dim,
-        shared_mlp_dim=config.shared_experts * config.moe_mlp_dim, check_dropless=False,
+        shared_mlp_dim=config.shared_experts * config.moe_mlp_dim, check_dropless=False, fp8=fp8,
         routing=RoutingConfig(num_experts=config.num_experts, top_k=config.num_experts_per_tok,
                               n_groups=config.n_routing_groups if grouped else 1,
                               topk_groups=config.topk_routing_group if grouped else 1,
@@ -94,6 +94,7 @@ class OurDeepSeekMoELayer(deepseek.DeepSeekMoELayer):
     """MaxText's DeepSeek MoE decoder layer whose routed experts run on our layer (see the module docstring)."""
 
     backend: ClassVar[Backend] = "ragged_dot"  # set by `install`
+    fp8: ClassVar[Fp8] = "none"  # set by `install`
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
@@ -101,7 +102,7 @@ class OurDeepSeekMoELayer(deepseek.DeepSeekMoELayer):
         if refused:
             raise UserError(f"is ours, but our layer cannot compute this model's MoE layer: {'; '.join(refused)}.",
                             key="moe.impl", fix="use moe.impl: maxtext for this model, or change those keys.")
-        self.our_moe_config = moe_config(config)
+        self.our_moe_config = moe_config(config, self.fp8)
         routed = self.DeepSeekMoeBlock_0.MoeBlock_0
         ranks = routed.get_expert_parallelism_size()
         if ranks > 1:
@@ -182,7 +183,8 @@ def install(moe: dict[str, Any]) -> None:
     """Make every DeepSeek decoder MaxText builds from now on in this process run our routed experts.
 
     `moe` is `ResolvedRecipe.moe` with impl "ours". With gemm "te" the TE grouped-GEMM path is chosen
-    here, once (it needs the devices up: call this after `jax.distributed` is initialised).
+    here, once (it needs the devices up: call this after `jax.distributed` is initialised). `fp8` (validated
+    with the recipe; absent means "none") goes into every layer's `MoEConfig`.
     """
     if moe.get("impl") != "ours":
         raise UserError(f"integration.install is for moe.impl: ours, got {moe.get('impl')!r}.")
@@ -192,6 +194,8 @@ def install(moe: dict[str, Any]) -> None:
     if backend == "te":
         gemm.select_te_grouped_gemm_path(moe["te_gemm_path"])
     OurDeepSeekMoELayer.backend = backend
+    OurDeepSeekMoELayer.fp8 = moe.get("fp8", "none")
     deepseek.DeepSeekMoELayer = OurDeepSeekMoELayer
+    fp8 = OurDeepSeekMoELayer.fp8
     log.info("moe.impl=ours: maxtext.models.deepseek.DeepSeekMoELayer -> %s (grouped GEMM %s)",
-             OurDeepSeekMoELayer.__qualname__, backend)
+             OurDeepSeekMoELayer.__qualname__, backend if fp8 == "none" else f"{backend}, FP8 {fp8}")

@@ -14,6 +14,7 @@ the same `expert_mlp` on each rank's rows.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from maxtext_moe.errors import UserError
-from maxtext_moe.moe.gemm import Backend, grouped_matmul
+from maxtext_moe.moe.gemm import Backend, Fp8, grouped_matmul
 from maxtext_moe.moe.routing import Routing, RoutingConfig, route
 
 Params = dict[str, Any]
@@ -38,6 +39,7 @@ class MoEConfig:
     routing: RoutingConfig
     shared_mlp_dim: int  # width of the shared expert (MaxText: shared_experts * moe_mlp_dim)
     check_dropless: bool = True  # host-side check of sum(group sizes) under jit (one small callback)
+    fp8: Fp8 = "none"  # expert GEMMs in FP8 ("current_scaling": TE backend only, see gemm.py)
 
 
 def init_params(key: jax.Array, cfg: MoEConfig, dtype: jnp.dtype = jnp.bfloat16) -> Params:
@@ -118,19 +120,19 @@ def shared_expert(x: jax.Array, p: Params) -> jax.Array:
     return (jax.nn.silu(h0) * h1) @ p["wo"]["kernel"].astype(x.dtype)
 
 
-def expert_mlp(x_sorted: jax.Array, experts: Params, group_sizes: jax.Array, backend: Backend) -> jax.Array:
+def expert_mlp(x_sorted: jax.Array, experts: Params, group_sizes: jax.Array, backend: Backend,
+               fp8: Fp8 = "none") -> jax.Array:
     """SiLU-GLU experts on rows sorted by expert: wo(silu(wi_0 x) * wi_1 x), one grouped GEMM each.
 
     The GEMM outputs carry MaxText's remat names exactly as its `sparse_matmul` path tags them (wi_0:
     `mlpwi_0` and `moe_mlpwi_0`; wi_1: `moe_mlpwi_1`; wo: `mlpwo` and `moe_mlpwo`), so one `remat_policy`
     saves or offloads the same tensors with either block, on one device or under expert parallelism.
     """
-    h0 = checkpoint_name(checkpoint_name(grouped_matmul(x_sorted, experts["wi_0"], group_sizes, backend), "mlpwi_0"),
-                         "moe_mlpwi_0")
-    h1 = checkpoint_name(grouped_matmul(x_sorted, experts["wi_1"], group_sizes, backend), "moe_mlpwi_1")
+    gmm = functools.partial(grouped_matmul, group_sizes=group_sizes, backend=backend, fp8=fp8)
+    h0 = checkpoint_name(checkpoint_name(gmm(x_sorted, experts["wi_0"]), "mlpwi_0"), "moe_mlpwi_0")
+    h1 = checkpoint_name(gmm(x_sorted, experts["wi_1"]), "moe_mlpwi_1")
     act = (jax.nn.silu(h0.astype(jnp.float32)) * h1.astype(jnp.float32)).astype(x_sorted.dtype)
-    return checkpoint_name(checkpoint_name(grouped_matmul(act, experts["wo"], group_sizes, backend), "mlpwo"),
-                           "moe_mlpwo")
+    return checkpoint_name(checkpoint_name(gmm(act, experts["wo"]), "mlpwo"), "moe_mlpwo")
 
 
 def routed_experts(p: Params, tokens: jax.Array, cfg: MoEConfig, backend: Backend) -> tuple[jax.Array, Routing]:
@@ -143,7 +145,7 @@ def routed_experts(p: Params, tokens: jax.Array, cfg: MoEConfig, backend: Backen
     order, inverse, group_sizes = sort_by_expert(routing.indices, cfg.routing.num_experts, cfg.check_dropless)
 
     x_sorted = permute_rows(jnp.repeat(tokens, k, axis=0), order, inverse)
-    out_sorted = expert_mlp(x_sorted, p, group_sizes, backend)
+    out_sorted = expert_mlp(x_sorted, p, group_sizes, backend, cfg.fp8)
     out = permute_rows(out_sorted, inverse, order).reshape(-1, k, cfg.emb_dim)
     routed = jnp.einsum("tkd,tk->td", out, routing.weights.astype(tokens.dtype), preferred_element_type=jnp.float32)
     return routed, routing

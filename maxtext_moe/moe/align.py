@@ -1,0 +1,102 @@
+"""Pad each expert group of sorted rows to a multiple of `align` rows, and drop the padding afterwards.
+
+Why: TE's FP8 grouped GEMM on Hopper (per-group "V1" path, current scaling) asserts that every group's
+row count is a multiple of 16 (`CanonicalizeGemmInput: ... lda % 16 == 0`, seen on the lent H200), and the
+padding rows must be counted inside `group_sizes`. TE's own permutation `align_size` leaves them outside,
+which that path rejects. So the padding is done here, as zero rows at the end of each group: the GEMM of a
+zero row is a zero row, which `unpad_rows` drops, so no token is dropped and the result is unchanged.
+
+Shapes are static (jit): the padded buffer has `padded_rows(M, G, align)` rows, the worst case
+M + G * (align - 1) rounded up to a multiple of `align`. The slack rows beyond the aligned groups are
+counted in the last group, so the padded sizes sum to exactly the buffer's rows (what TE's own permutation
+hands its grouped GEMM) and every size stays a multiple of `align`. Rows of `x` after the last group (the
+expert-parallel receive side sorts its empty slots there) are left out, and come back as zeros.
+
+Both directions are gathers, and so are their gradients: padding and unpadding are partial bijections
+between the M rows and the padded rows, and the transpose of a gather by a one-to-one map is the gather by
+its inverse (no scatter-add).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class GroupAlignment(NamedTuple):
+    """Index maps between M sorted rows and their padded layout (a pytree: passes through jit)."""
+
+    group_sizes: jax.Array  # [G] int32: padded sizes, multiples of `align`, summing to the padded rows
+    src: jax.Array  # [P] int32: the row of x each padded row holds; M (out of range) for a zero row
+    dest: jax.Array  # [M] int32: the padded row each row of x goes to; P for rows outside every group
+
+
+def padded_rows(rows: int, groups: int, align: int) -> int:
+    """Static size of the padded buffer: the worst case `rows + groups * (align - 1)`, rounded up to `align`."""
+    return -(-(rows + groups * (align - 1)) // align) * align
+
+
+def align_groups(group_sizes: jax.Array, rows: int, align: int) -> GroupAlignment:
+    """The padded layout of `rows` rows sorted by group with sizes `group_sizes` [G] (sum <= rows)."""
+    if align < 1:
+        raise ValueError(f"align must be at least 1, got {align}")
+    sizes = group_sizes.astype(jnp.int32)
+    groups = sizes.shape[0]
+    total = padded_rows(rows, groups, align)
+    aligned = (sizes + align - 1) // align * align
+    aligned = aligned.at[-1].add(total - jnp.sum(aligned))  # the slack joins the last group (a multiple of align)
+    starts = jnp.cumsum(sizes) - sizes
+    padded_starts = jnp.cumsum(aligned) - aligned
+
+    row = jnp.arange(rows, dtype=jnp.int32)
+    g = jnp.searchsorted(jnp.cumsum(sizes), row, side="right")  # G for rows after the last group
+    inside = g < groups
+    g = jnp.minimum(g, groups - 1)
+    dest = jnp.where(inside, padded_starts[g] + row - starts[g], total)
+
+    slot = jnp.arange(total, dtype=jnp.int32)
+    pg = jnp.searchsorted(jnp.cumsum(aligned), slot, side="right")  # < G: the padded sizes sum to `total`
+    offset = slot - padded_starts[pg]
+    src = jnp.where(offset < sizes[pg], starts[pg] + offset, rows)
+    return GroupAlignment(aligned, src.astype(jnp.int32), dest.astype(jnp.int32))
+
+
+@jax.custom_vjp
+def _take_rows(x: jax.Array, index: jax.Array, inverse: jax.Array) -> jax.Array:
+    """x[index] with zeros where `index` is out of range; `inverse` maps back (out of range where unused).
+
+    Unlike `layer.permute_rows` (a full permutation, indices promised in bounds), the maps here are partial
+    bijections, hence the zero fill; the gradient is still a gather, by `inverse`.
+    """
+    return jnp.take(x, index, axis=0, mode="fill", fill_value=0)
+
+
+def _take_rows_fwd(x: jax.Array, index: jax.Array, inverse: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return _take_rows(x, index, inverse), inverse
+
+
+def _take_rows_bwd(inverse: jax.Array, g: jax.Array) -> tuple[jax.Array, None, None]:
+    return jnp.take(g, inverse, axis=0, mode="fill", fill_value=0), None, None
+
+
+_take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+
+
+def pad_rows(x: jax.Array, a: GroupAlignment) -> jax.Array:
+    """[M, ...] rows sorted by group -> [P, ...] with each group padded by zero rows to `a.group_sizes`."""
+    return _take_rows(x, a.src, a.dest)
+
+
+def unpad_rows(y: jax.Array, a: GroupAlignment) -> jax.Array:
+    """[P, ...] padded rows (e.g. a grouped GEMM's output) -> [M, ...] in the original order, padding dropped."""
+    return _take_rows(y, a.dest, a.src)
+
+
+def aligned(gemm: Callable[[jax.Array, jax.Array, jax.Array], jax.Array], x_sorted: jax.Array, w: jax.Array,
+            group_sizes: jax.Array, align: int) -> jax.Array:
+    """`gemm(x, w, group_sizes)` run on the rows padded to `align` per group, its output unpadded: the same
+    [M, N] result as on the unpadded rows, for a grouped GEMM that needs aligned groups."""
+    a = align_groups(group_sizes, x_sorted.shape[0], align)
+    return unpad_rows(gemm(pad_rows(x_sorted, a), w, a.group_sizes), a)
