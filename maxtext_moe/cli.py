@@ -78,7 +78,11 @@ def cmd_train(a: argparse.Namespace) -> int:
     from maxtext_moe import launch
 
     ref, overrides = _split_recipe(a.args)
-    launch.train(resolve(ref, overrides), force=a.force, verbose=a.verbose)
+    try:
+        launch.train(resolve(ref, overrides), force=a.force, verbose=a.verbose)
+    except launch.Stopped as e:
+        print(f"maxtext-moe: {e}", file=sys.stderr)
+        return 143  # 128 + SIGTERM: the run did not finish, and nothing is lost
     return 0
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -139,13 +140,24 @@ def initialize(topology: Topology, *, timeout_s: int = 300) -> ProcessSpec:
     spec = detect()
     check_layout(spec, topology)
     os.environ.update(process_env(topology, os.environ))
-    if spec.num_processes > 1:
-        import jax
+    import jax
 
-        jax.distributed.initialize(coordinator_address=spec.coordinator, num_processes=spec.num_processes,
-                                   process_id=spec.process_id, initialization_timeout=timeout_s,
-                                   local_device_ids=list(spec.local_device_ids) if spec.local_device_ids else None)
+    if jax.distributed.is_initialized():  # a second run in the same process (tests, notebooks)
+        return spec
+    # A single process starts a one-process runtime on a free loopback port too: only then does JAX's
+    # preemption notifier catch SIGTERM, which MaxText's `enable_autocheckpoint` turns into a checkpoint
+    # at the next step and a clean stop (a scheduler's time limit or preemption loses nothing).
+    coordinator = spec.coordinator or f"127.0.0.1:{_free_port()}"
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=spec.num_processes,
+                               process_id=spec.process_id, initialization_timeout=timeout_s,
+                               local_device_ids=list(spec.local_device_ids) if spec.local_device_ids else None)
     return spec
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @contextmanager

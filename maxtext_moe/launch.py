@@ -23,6 +23,10 @@ from maxtext_moe.progress import Progress
 from maxtext_moe.resolved import ResolvedRecipe
 
 
+class Stopped(Exception):
+    """Training stopped early but cleanly (SIGTERM): the latest state is checkpointed."""
+
+
 @dataclass(frozen=True)
 class RunPaths:
     output: Path
@@ -131,4 +135,8 @@ def train(resolved: ResolvedRecipe, *, force: bool = False, verbose: bool = Fals
                         fix="if the checkpoint is at fault, move that step's folder aside to resume from an earlier "
                             f"one, or choose another run_name; details in {rp.log}.") from e
                 raise
-    return progress.last
+    last = progress.last
+    if last is not None and int(last["step"]) + 1 < steps:
+        raise Stopped(f"stopped after step {int(last['step']) + 1} of {steps} on a termination signal; its checkpoint "
+                      f"is saved in {rp.run / 'checkpoints'}. Run the same command again to resume.")
+    return last

@@ -6,8 +6,12 @@ default recipe shrunk by overrides (shorter sequences, a 1 MiB corpus) so the su
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import statistics
+import subprocess
+import sys
 
 import pytest
 
@@ -142,3 +146,25 @@ def test_another_recipe_never_overwrites_without_force(trained, tmp_path):
     aside = list((out / RUN).glob("checkpoints.set-aside-*"))
     assert len(aside) == 1 and run_dir.scan(aside[0]).complete == [0, 10, 20, 29]
     assert "starting from scratch" in r.stdout
+
+
+def test_sigterm_checkpoints_the_current_step_and_a_rerun_resumes(tmp_path):
+    """A scheduler's SIGTERM mid-run: a checkpoint at the step reached, exit 143, and the same command resumes."""
+    args = [sys.executable, "-m", "maxtext_moe", "train", "steps=400", "checkpoint_period=1000",
+            f"base_output_directory={tmp_path}", *SMALL]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    seen = []
+    for line in proc.stdout:  # wait until training is under way, then stop it as SLURM would
+        seen.append(line)
+        if line.startswith("step     6/400"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 143, "".join(seen) + out + err[-3000:]
+    assert "on a termination signal; its checkpoint is saved" in err
+    saved = run_dir.scan(tmp_path / RUN / "checkpoints").complete
+    assert saved[0] == 0 and len(saved) == 2 and saved[1] >= 6, saved  # step 0 and the step SIGTERM reached
+    r = run_cli("train", "steps=" + str(saved[1] + 3), f"base_output_directory={tmp_path}", *SMALL)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resuming from step {saved[1] + 1}" in r.stdout
