@@ -1,9 +1,13 @@
-"""`maxtext-moe bench` on the CPU: real steps, a summary consistent with MaxText's own per-step log."""
+"""`maxtext-moe bench` on the CPU: real steps, a summary consistent with MaxText's own per-step log, and a
+profile of a warm-up step that scripts/profile_summary.py reads back."""
 
 from __future__ import annotations
 
 import json
 import statistics
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +19,8 @@ pytestmark = pytest.mark.slow
 def test_bench_reports_the_timed_steps(tmp_path):
     out = tmp_path / "bench.json"
     r = run_cli("bench", "deepseek3-tiny-cpu", "--steps", "4", "--warmup", "2", "--out", str(out),
-                f"base_output_directory={tmp_path}", *FAST, "corpus.max_mib=1")
+                f"base_output_directory={tmp_path}", *FAST, "corpus.max_mib=1",
+                "profiler=xplane", "skip_first_n_steps_for_profiler=1", "profiler_steps=1")
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["warmup_steps"] == 2 and result["timed_steps"] == 4 and result["moe"] == {"impl": "maxtext"}
@@ -30,3 +35,13 @@ def test_bench_reports_the_timed_steps(tmp_path):
     assert result["predicted_step_s"] is None and result["mfu_bf16"] is None  # the CPU has no peak to compare
     assert not (run / "checkpoints").exists()
     assert "step time" in r.stdout and "model TFLOPS/GPU" in r.stdout
+
+    summary = tmp_path / "profile.json"
+    p = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "scripts/profile_summary.py"), str(run),
+                        "--top", "5", "--out", str(summary)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    prof = json.loads(summary.read_text())
+    assert prof["source"].startswith("host XLA ops") and len(prof["kernels"]) == 5
+    categories = dict(prof["categories"])
+    assert categories["GEMM (cuBLAS/XLA dot)"] > 0 and sum(categories.values()) == pytest.approx(prof["total_ms"])
+    assert "category" in p.stdout and "HLO op" in p.stdout

@@ -199,3 +199,24 @@ def test_real_ragged_all_to_all_matches_emulation_on_two_gpus(dedup: bool) -> No
     assert rel(real[0], emulated[0]) < 1e-5
     for a, b in zip(jax.tree.leaves(real[1:]), jax.tree.leaves(emulated[1:])):
         assert np.array_equal(np.asarray(a), np.asarray(b)) or rel(a, b) < 1e-5
+
+
+def test_ep_dispatch_benchmark_script_on_two_cpu_devices(tmp_path) -> None:
+    """scripts/bench_ep_dispatch.py end to end on 2 CPU devices (emulated exchange): both dispatch modes
+    compute the single-device layer, and dedup sends fewer rows per token than one per chosen expert."""
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_ep_dispatch.py")
+    out = tmp_path / "ep.json"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, script, "--tokens-per-device", "64", "--experts", "16", "--emb", "64",
+                           "--mlp", "32", "--top-k", "4", "--groups", "4", "2", "--backend", "ragged_dot",
+                           "--impl", "emulated", "--dtype", "float32", "--iters", "2", "--warmup", "1",
+                           "--out", str(out)], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    plain, dedup = result["runs"]
+    for run in (plain, dedup):
+        assert run["finite"] and run["rel_err_y_vs_one_device"] < 1e-5 and run["rel_err_dx_vs_one_device"] < 1e-5
+    # Half the experts live on the other rank: about top_k / 2 rows per token without dedup, at most one with.
+    assert 1.0 < plain["rows_per_token_sent"] <= 4.0 and 0.5 < dedup["rows_per_token_sent"] <= 1.0
+    assert result["dedup_bytes_factor"] == pytest.approx(plain["kib_per_token_sent"] / dedup["kib_per_token_sent"])
+    assert "dedup:" in proc.stdout and "fewer bytes" in proc.stdout

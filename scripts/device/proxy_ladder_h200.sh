@@ -1,28 +1,41 @@
 #!/usr/bin/env bash
-# One device call on the lent H200 (issue 4): `maxtext-moe bench` on the one-GPU DeepSeek-V3 proxy,
-# rung by rung. Carry `.device` (wheels, xprof stub, te_h200_bundle.tar.xz). Results under $OUT.
+# One device call (issue 4): `maxtext-moe bench` on the one-GPU DeepSeek-V3 proxy, rung by rung, as many
+# rungs at once as the machine has GPUs (one process per GPU, pinned with CUDA_VISIBLE_DEVICES; a rung
+# never shares its GPU). A rung whose overrides set `profiler=xplane` also gets
+# scripts/profile_summary.py's table of where its device time went. Logs and JSON: $OUT/results.tgz.
 # Usage there: bash scripts/device/proxy_ladder_h200.sh STEPS ["NAME key=value ..." ...]
 # (no rungs given: the first call's three, upstream tokamax with cuDNN attention through JAX, then TE, then FP8)
 set -uo pipefail
 steps=${1:-8}; shift || true
-python3 -m pip install -q --no-index --no-deps .device/wheels/*.whl || exit 1
-export PYTHONPATH=$PWD:$PWD/.device/xprof-stub DECOUPLE_GCLOUD=TRUE PYTHONUNBUFFERED=1
-python3 -c "import tarfile;tarfile.open('.device/te_h200_bundle.tar.xz').extractall('/opt/te',filter='tar')" || exit 1
-source /opt/te/activate.sh
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv | tee $OUT/gpu.txt
-python3 -m maxtext_moe doctor deepseek3-proxy-h200-1gpu attention=cudnn_flash_te 2>&1 | tee -a $OUT/gpu.txt
-rung() {  # name, then overrides
-  local name=$1; shift
-  echo "=== $name: $*"
-  timeout 280 python3 -m maxtext_moe bench deepseek3-proxy-h200-1gpu --steps "$steps" --warmup 3 --out "$OUT/$name.json" \
-    base_output_directory=/tmp/runs "$@" > "$OUT/$name.log" 2>&1
-  echo "rc=$?"; grep -E "^(step time|predicted|tokens/s|model TFLOPS|MFU|peak device|loss) " "$OUT/$name.log" || tail -4 "$OUT/$name.log"
+source scripts/device/common.sh
+python3 -m maxtext_moe doctor deepseek3-proxy-h200-1gpu 2>&1 | tee -a "$W/gpu.txt"
+RUNG_TIMEOUT=${RUNG_TIMEOUT:-280}
+rung() {  # gpu, name, then overrides; writes NAME.json, NAME.log and NAME.summary (and NAME.profile.txt)
+  local gpu=$1 name=$2 t0=$SECONDS; shift 2
+  CUDA_VISIBLE_DEVICES=$gpu timeout "$RUNG_TIMEOUT" python3 -m maxtext_moe bench deepseek3-proxy-h200-1gpu \
+    --steps "$steps" --warmup 3 --out "$W/$name.json" base_output_directory="/tmp/runs/$name" "$@" > "$W/$name.log" 2>&1
+  local rc=$?
+  { echo "=== $name (GPU $gpu, $((SECONDS - t0)) s wall): $* rc=$rc"
+    grep -E "^(step time|predicted|tokens/s|model TFLOPS|MFU|peak device|loss) " "$W/$name.log" || tail -4 "$W/$name.log"
+  } > "$W/$name.summary"
+  if [[ " $* " == *" profiler=xplane "* ]]; then
+    python3 scripts/profile_summary.py "/tmp/runs/$name" --top 30 --out "$W/$name.profile.json" > "$W/$name.profile.txt" 2>&1
+    head -12 "$W/$name.profile.txt" >> "$W/$name.summary"
+  fi
 }
 if [ $# -eq 0 ]; then
-  set -- "tokamax_cudnnjax" "tokamax_cudnnte attention=cudnn_flash_te" \
-         "tokamax_cudnnte_fp8 attention=cudnn_flash_te quantization=te_fp8_currentscaling"
+  set -- "tokamax_cudnnjax moe.impl=maxtext" "tokamax_cudnnte moe.impl=maxtext attention=cudnn_flash_te" \
+         "tokamax_cudnnte_fp8 moe.impl=maxtext attention=cudnn_flash_te quantization=te_fp8_currentscaling"
 fi
-for spec in "$@"; do
-  # shellcheck disable=SC2086  # a spec is a name followed by space-separated overrides
-  rung $spec
+gpus=$(nvidia-smi -L | wc -l)
+while [ $# -gt 0 ]; do
+  names=()
+  for ((g = 0; g < gpus && $# > 0; g++)); do
+    # shellcheck disable=SC2086  # a spec is a name followed by space-separated overrides
+    rung "$g" $1 &
+    names+=("${1%% *}"); shift
+  done
+  wait
+  for n in "${names[@]}"; do cat "$W/$n.summary"; done
 done
+pack

@@ -1,0 +1,115 @@
+"""Expert-parallel MoE layer over every device of this process: the exchange with and without dedup, timed.
+
+Issue 5 asks for the bytes a token sends in the EP dispatch with and without per-destination-rank dedup,
+on two GPUs, where the exchange is the real `jax.lax.ragged_all_to_all` over NVLink. This script runs
+`dispatch.ep_moe_forward_sharded` (routing, plan, exchange, grouped GEMMs, exchange back, shared expert)
+forward + backward on DeepSeek-V3 widths with the tokens and experts split over all devices, once sending
+a row per (token, chosen expert) as MaxText does ("no dedup") and once per (token, destination rank)
+("dedup"). For each it reports the median step, the rows and KiB per token that cross ranks (counted
+from the routing the run itself chose, by the plan the layer uses) and the relative difference to the
+same layer on one device (float32 outputs and input gradient). `--impl emulated` runs the same program
+on CPU devices (XLA:CPU has no ragged_all_to_all): that is how the tests exercise this script.
+
+    python scripts/bench_ep_dispatch.py --tokens-per-device 8192 --experts 64 --backend te --out ep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from bench_moe_layer import grad_fn, layer_flops, rel, time_fn
+from maxtext_moe.moe import dispatch
+from maxtext_moe.moe.gemm import BACKENDS
+from maxtext_moe.moe.layer import MoEConfig, init_params, moe_forward
+from maxtext_moe.moe.routing import RoutingConfig
+
+def shard_params(params: Any, mesh: Mesh) -> Any:
+    """Experts split over the expert axis on their first dimension, everything else replicated."""
+    def place(path: tuple, leaf: jax.Array) -> jax.Array:
+        name = jax.tree_util.keystr(path)
+        split = "MoeBlock_0" in name and "gate" not in name
+        return jax.device_put(leaf, NamedSharding(mesh, P(dispatch.EP_AXIS) if split else P()))
+    return jax.tree_util.tree_map_with_path(place, params)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens-per-device", type=int, default=8192)
+    ap.add_argument("--experts", type=int, default=64, help="routed experts over all devices")
+    ap.add_argument("--emb", type=int, default=7168)
+    ap.add_argument("--mlp", type=int, default=2048)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--groups", type=int, nargs=2, default=[8, 4], metavar=("N_GROUPS", "TOPK_GROUPS"))
+    ap.add_argument("--backend", default="te", choices=list(BACKENDS))
+    ap.add_argument("--impl", default="ragged_all_to_all", choices=["ragged_all_to_all", "emulated"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+
+    devices = jax.devices()
+    ranks = len(devices)
+    if ranks < 2:
+        raise SystemExit(f"needs 2 or more devices, found {ranks}")
+    mesh = Mesh(np.array(devices), (dispatch.EP_AXIS,))
+    cfg = MoEConfig(emb_dim=a.emb, moe_mlp_dim=a.mlp, shared_mlp_dim=a.mlp, check_dropless=False,
+                    routing=RoutingConfig(a.experts, a.top_k, a.groups[0], a.groups[1], 2.5))
+    dtype = jnp.dtype(a.dtype)
+    tokens = a.tokens_per_device * ranks
+    params = init_params(jax.random.key(0), cfg, dtype)
+    x = jax.random.normal(jax.random.key(1), (tokens, cfg.emb_dim), dtype)
+    cot = jax.random.normal(jax.random.key(2), x.shape, jnp.float32)
+
+    (_, dx_one), y_one = grad_fn(lambda p, x: moe_forward(p, x, cfg, a.backend)[0], cot)(params, x)
+    sharded_params = shard_params(params, mesh)
+    x_sharded = jax.device_put(x, NamedSharding(mesh, P(dispatch.EP_AXIS)))
+    flops = layer_flops(cfg, a.tokens_per_device)
+    result: dict[str, Any] = {"devices": [d.device_kind for d in devices], "jax": jax.__version__,
+                              "config": vars(a), "check_dropless": False, "runs": []}
+    for dedup in (False, True):
+        forward = functools.partial(dispatch.ep_moe_forward_sharded, cfg=cfg, mesh=mesh, dedup=dedup,
+                                    backend=a.backend, impl=a.impl)
+        step = grad_fn(lambda p, x: forward(p, x)[0], cot)
+        (_, dx), y = step(sharded_params, x_sharded)
+        ids = jax.jit(lambda p, x: forward(p, x)[1].indices)(sharded_params, x_sharded)
+        sent = dispatch.dispatch_bytes_per_token(ids, a.experts, ranks, a.emb, dtype.itemsize, dedup=dedup)
+        run: dict[str, Any] = {"dedup": dedup, "ranks": ranks, "tokens_per_device": a.tokens_per_device,
+                               "rows_per_token_sent": sent / (a.emb * dtype.itemsize),
+                               "kib_per_token_sent": sent / 1024,
+                               "rel_err_y_vs_one_device": rel(y, y_one), "rel_err_dx_vs_one_device": rel(dx, dx_one),
+                               "finite": bool(jnp.isfinite(y.astype(jnp.float32)).all()
+                                              & jnp.isfinite(dx.astype(jnp.float32)).all())}
+        run.update(time_fn(lambda: step(sharded_params, x_sharded), a.warmup, a.iters))
+        run["tflops_per_device"] = flops / (run["median_ms"] * 1e-3) / 1e12
+        result["runs"].append(run)
+        print(json.dumps(run), flush=True)
+    plain, dedup_run = result["runs"]
+    result["dedup_bytes_factor"] = plain["kib_per_token_sent"] / dedup_run["kib_per_token_sent"]
+    result["dedup_speedup"] = plain["median_ms"] / dedup_run["median_ms"]
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+    print(f"\nEP{ranks}, {a.experts} experts, {a.tokens_per_device} tokens/device, {a.backend}, {a.impl}")
+    print(f"{'dispatch':9} {'median ms':>10} {'TFLOP/s/dev':>11} {'rows/token':>10} {'KiB/token':>9} "
+          f"{'rel y':>9} {'rel dx':>9}")
+    for r in result["runs"]:
+        print(f"{'dedup' if r['dedup'] else 'no dedup':9} {r['median_ms']:>10.2f} {r['tflops_per_device']:>11.1f} "
+              f"{r['rows_per_token_sent']:>10.2f} {r['kib_per_token_sent']:>9.1f} "
+              f"{r['rel_err_y_vs_one_device']:>9.2e} {r['rel_err_dx_vs_one_device']:>9.2e}")
+    print(f"dedup: {result['dedup_bytes_factor']:.2f}x fewer bytes, {result['dedup_speedup']:.2f}x step time")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,13 @@
+# Sourced by every one-call device script: install the carried wheelhouse and TE, set the environment
+# (NVLink multicast stays off, as the lent machines require), and print what the GPUs read now.
+# Carry `.device` (wheels, xprof stub, te_h200_bundle.tar.xz), built as shared/device/README.md says.
+# A second script in the same call finds both installed and skips the work.
+python3 -c "import maxtext" 2>/dev/null || python3 -m pip install -q --no-index --no-deps .device/wheels/*.whl || exit 1
+export PYTHONPATH=$PWD:$PWD/.device/xprof-stub DECOUPLE_GCLOUD=TRUE PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+[ -f /opt/te/activate.sh ] ||
+  python3 -c "import tarfile;tarfile.open('.device/te_h200_bundle.tar.xz').extractall('/opt/te',filter='tar')" || exit 1
+# shellcheck disable=SC1091  # unpacked just above
+source /opt/te/activate.sh
+W=/tmp/results; mkdir -p "$W"  # logs gather here; each script packs them into one file under $OUT
+nvidia-smi --query-gpu=index,name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv | tee -a "$W/gpu.txt"
+pack() { tar czf "$OUT/results.tgz" -C "$W" . ; }
