@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from maxtext_moe.errors import UserError
 from maxtext_moe.moe import dispatch
@@ -138,13 +139,15 @@ def test_plan_rejects_experts_out_of_range_and_uneven_splits() -> None:
         dispatch.ep_moe_forward_emulated(init_params(jax.random.key(0), CFG, jnp.float32),
                                          jnp.ones((6, CFG.emb_dim)), CFG, ranks=4)
     with pytest.raises(UserError, match="emulated"):
-        dispatch.exchange(*[jnp.zeros(2)] * 6, axis_name=dispatch.EP_AXIS, impl="nccl")
+        dispatch.exchange(*[jnp.zeros(2)] * 5, rows=2, axis_name=dispatch.EP_AXIS, impl="nccl")
 
 
 _TWO_CPU_DEVICES = textwrap.dedent("""
     import json
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
     from maxtext_moe.errors import UserError
     from maxtext_moe.moe import dispatch
     from maxtext_moe.moe.layer import MoEConfig, init_params, moe_forward
@@ -157,25 +160,32 @@ _TWO_CPU_DEVICES = textwrap.dedent("""
     mesh = Mesh(np.array(jax.devices()), (dispatch.EP_AXIS,))
     y = jax.jit(lambda p, x: dispatch.ep_moe_forward_sharded(p, x, cfg, mesh, impl="emulated")[0])(params, x)
     y_one = moe_forward(params, x, cfg, "ragged_dot")[0]
+    cot = jax.random.normal(jax.random.key(2), x.shape)
+    grads = jax.jit(jax.grad(lambda p, x: jnp.sum(
+        dispatch.ep_moe_forward_sharded(p, x, cfg, mesh, impl="emulated")[0] * cot), (0, 1)))(params, x)
+    grads_one = jax.grad(lambda p, x: jnp.sum(moe_forward(p, x, cfg, "ragged_dot")[0] * cot), (0, 1))(params, x)
+    grad_rel = max(float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+                   for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_one)) if jnp.any(b != 0))
     try:
         dispatch.ep_moe_forward_sharded(params, x, cfg, mesh, impl="ragged_all_to_all")
         error = None
     except UserError as e:
         error = str(e)
-    print(json.dumps({"devices": len(jax.devices()), "error": error,
+    print(json.dumps({"devices": len(jax.devices()), "error": error, "grad_rel": grad_rel,
                       "rel": float(jnp.linalg.norm(y - y_one) / jnp.linalg.norm(y_one))}))
 """)
 
 
 def test_sharded_path_on_two_cpu_devices() -> None:
-    """shard_map over 2 CPU devices: the emulated exchange matches the layer; the real one is refused clearly
+    """shard_map over 2 CPU devices: the emulated exchange matches the layer, outputs and gradients (which run
+    through our adjoint of the exchange, as on GPUs); the real one is refused clearly
     (XLA:CPU in JAX 0.11.2 fails to compile `ragged-all-to-all` with an UNIMPLEMENTED opcode error)."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", _TWO_CPU_DEVICES], capture_output=True, text=True, env=env,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["devices"] == 2 and result["rel"] < 1e-6
+    assert result["devices"] == 2 and result["rel"] < 1e-6 and result["grad_rel"] < 1e-5
     assert "ragged_all_to_all is not implemented on XLA:CPU; use the emulated exchange" in result["error"]
 
 
@@ -197,8 +207,47 @@ def test_real_ragged_all_to_all_matches_emulation_on_two_gpus(dedup: bool) -> No
 
     real, emulated = run("ragged_all_to_all"), run("emulated")
     assert rel(real[0], emulated[0]) < 1e-5
-    for a, b in zip(jax.tree.leaves(real[1:]), jax.tree.leaves(emulated[1:])):
-        assert np.array_equal(np.asarray(a), np.asarray(b)) or rel(a, b) < 1e-5
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(real[1:]), jax.tree.leaves(emulated[1:])):
+        assert np.array_equal(np.asarray(a), np.asarray(b)) or rel(a, b) < 1e-5, jax.tree_util.keystr(path)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(sum(d.platform == "gpu" for d in jax.devices()) < 2, reason="needs 2 GPUs")
+def test_exchange_gradient_on_two_gpus_equals_autodiff_of_the_emulation() -> None:
+    """Our adjoint of the real exchange against JAX's autodiff of the all_gather emulation (plain gathers),
+    on a random ragged plan; JAX's own transpose of ragged_all_to_all is printed beside it for the record."""
+    from jax.sharding import Mesh
+
+    mesh = Mesh(np.array(jax.devices()[:2]), (dispatch.EP_AXIS,))
+    sizes = jnp.array([[3, 5], [4, 2]], jnp.int32)  # rows rank s sends rank d
+    operand = jax.random.normal(jax.random.key(0), (2 * 8, 3))
+    cot = jax.random.normal(jax.random.key(1), (2 * 9, 3))
+
+    def per_rank(op: jax.Array, sz: jax.Array, g: jax.Array, how: str) -> jax.Array:
+        send = sz[0]
+        in_off = jnp.cumsum(send) - send
+        me = jax.lax.axis_index(dispatch.EP_AXIS)
+        every = jax.lax.all_gather(send, dispatch.EP_AXIS)
+        out_off = (jnp.cumsum(every, axis=0) - every)[me]  # where my rows land in each destination
+        recv = every[:, me]
+        args = (in_off, send, out_off, recv)
+        if how == "ours":
+            f = lambda o: dispatch.exchange(o, *args, rows=9, axis_name=dispatch.EP_AXIS, impl="ragged_all_to_all")
+        else:
+            raw = jax.lax.ragged_all_to_all if how == "jax" else functools.partial(
+                dispatch._emulated_ragged_all_to_all, axis_name=dispatch.EP_AXIS)
+            kw = {"axis_name": dispatch.EP_AXIS} if how == "jax" else {}
+            f = lambda o: raw(o, jnp.zeros((9, 3)), *args, **kw)
+        return jax.vjp(f, op)[1](g)[0]
+
+    def grad(how: str) -> np.ndarray:
+        body = functools.partial(per_rank, how=how)
+        return np.asarray(jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(dispatch.EP_AXIS),) * 3,
+                                                out_specs=P(dispatch.EP_AXIS), check_vma=False))(operand, sizes, cot))
+
+    reference, ours = grad("emulated"), grad("ours")
+    print(f"JAX's transpose of ragged_all_to_all: rel. difference {rel(grad('jax'), reference):.3g} to the emulation")
+    assert rel(ours, reference) < 1e-6
 
 
 def test_ep_dispatch_benchmark_script_on_two_cpu_devices(tmp_path) -> None:

@@ -152,6 +152,15 @@ def _transpose(v: jax.Array, axis_name: str) -> jax.Array:
     return jax.lax.all_gather(v, axis_name)[:, jax.lax.axis_index(axis_name)]
 
 
+def _received(output_rows: int, output_offsets: jax.Array, recv_sizes: jax.Array,
+              axis_name: str) -> tuple[jax.Array, jax.Array]:
+    """Which rows of my output buffer sender s writes ([R, output_rows] bool), and where its rows start
+    ([R]): the receive side of one exchange, from the senders' `output_offsets` and my `recv_sizes`."""
+    dst_off = _transpose(output_offsets, axis_name)  # where sender s's rows land in my output
+    pos = jnp.arange(output_rows)
+    return (pos >= dst_off[:, None]) & (pos < (dst_off + recv_sizes)[:, None]), dst_off
+
+
 def _emulated_ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offsets: jax.Array,
                                 send_sizes: jax.Array, output_offsets: jax.Array, recv_sizes: jax.Array,
                                 axis_name: str) -> jax.Array:
@@ -161,22 +170,15 @@ def _emulated_ragged_all_to_all(operand: jax.Array, output: jax.Array, input_off
     del send_sizes  # the receiver's view of it is recv_sizes
     senders = jax.lax.all_gather(operand, axis_name)  # [R, N, ...]
     src_off = _transpose(input_offsets, axis_name)  # where sender s's rows for me start in its buffer
-    dst_off = _transpose(output_offsets, axis_name)  # where they land in my output
-    pos = jnp.arange(output.shape[0])
-    inside = (pos >= dst_off[:, None]) & (pos < (dst_off + recv_sizes)[:, None])  # [R, M]
+    inside, dst_off = _received(output.shape[0], output_offsets, recv_sizes, axis_name)
     sender = jnp.argmax(inside, axis=0)
-    row = jnp.clip(src_off[sender] + pos - dst_off[sender], 0, operand.shape[0] - 1)
+    row = jnp.clip(src_off[sender] + jnp.arange(output.shape[0]) - dst_off[sender], 0, operand.shape[0] - 1)
     got = jnp.any(inside, axis=0).reshape(-1, *([1] * (output.ndim - 1)))
     return jnp.where(got, senders[sender, row], output)
 
 
-def exchange(operand: jax.Array, output: jax.Array, input_offsets: jax.Array, send_sizes: jax.Array,
-             output_offsets: jax.Array, recv_sizes: jax.Array, *, axis_name: str, impl: Impl) -> jax.Array:
-    """One ragged all-to-all over `axis_name`, with `jax.lax.ragged_all_to_all`'s arguments and semantics.
-
-    Call it per rank (inside `shard_map`, or inside `vmap(axis_name=...)` for "emulated"). "ragged_all_to_all"
-    is the real collective (GPU; XLA:CPU does not implement it); "emulated" runs anywhere.
-    """
+def _ragged_exchange(operand: jax.Array, output: jax.Array, input_offsets: jax.Array, send_sizes: jax.Array,
+                     output_offsets: jax.Array, recv_sizes: jax.Array, axis_name: str, impl: Impl) -> jax.Array:
     if impl == "ragged_all_to_all":
         return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
                                          axis_name=axis_name)
@@ -184,6 +186,54 @@ def exchange(operand: jax.Array, output: jax.Array, input_offsets: jax.Array, se
         return _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
                                            axis_name)
     raise UserError(f"unknown EP exchange {impl!r}.", fix="use 'ragged_all_to_all' (GPU) or 'emulated'.")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _differentiable_exchange(operand: jax.Array, input_offsets: jax.Array, send_sizes: jax.Array,
+                             output_offsets: jax.Array, recv_sizes: jax.Array, rows: int, pad: float,
+                             axis_name: str, impl: Impl) -> jax.Array:
+    output = jnp.full((rows, *operand.shape[1:]), pad, operand.dtype)
+    return _ragged_exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name, impl)
+
+
+def _exchange_fwd(operand, input_offsets, send_sizes, output_offsets, recv_sizes, rows, pad, axis_name, impl):
+    out = _differentiable_exchange(operand, input_offsets, send_sizes, output_offsets, recv_sizes, rows, pad,
+                                   axis_name, impl)
+    operand_rows = jnp.zeros((operand.shape[0], 0), operand.dtype)  # carries the operand's row count
+    return out, (input_offsets, send_sizes, output_offsets, recv_sizes, operand_rows)
+
+
+def _exchange_bwd(rows: int, pad: float, axis_name: str, impl: Impl, res: tuple, g: jax.Array) -> tuple:
+    """The adjoint: each rank sends the cotangent rows of what it received back to where they came from,
+    sizes and offsets swapped, exactly as the combine sends results back. The padding is a constant."""
+    input_offsets, send_sizes, output_offsets, recv_sizes, operand_rows = res
+    back = jnp.zeros((operand_rows.shape[0], *g.shape[1:]), g.dtype)
+    operand_t = _ragged_exchange(g, back, _transpose(output_offsets, axis_name), recv_sizes,
+                                 _transpose(input_offsets, axis_name), send_sizes, axis_name, impl)
+    return operand_t, None, None, None, None
+
+
+_differentiable_exchange.defvjp(_exchange_fwd, _exchange_bwd)
+
+
+def exchange(operand: jax.Array, input_offsets: jax.Array, send_sizes: jax.Array, output_offsets: jax.Array,
+             recv_sizes: jax.Array, *, rows: int, pad: float = 0, axis_name: str, impl: Impl,
+             own_adjoint: bool = True) -> jax.Array:
+    """One ragged all-to-all over `axis_name` into a fresh buffer of `rows` rows filled with `pad`; offsets
+    and sizes mean what they mean for `jax.lax.ragged_all_to_all`.
+
+    Call it per rank (inside `shard_map`, or inside `vmap(axis_name=...)` for "emulated"). "ragged_all_to_all"
+    is the real collective (GPU; XLA:CPU does not implement it); "emulated" runs anywhere.
+    Gradients use our own adjoint (`_exchange_bwd`: the same exchange run backwards), not JAX 0.11.2's
+    transpose rule of `ragged_all_to_all`: with that rule, on two H200s, the gradient of the gate kernel
+    through the real exchange differed from the emulation's (relative difference 1.85) while the forward
+    outputs agreed. Integer operands (expert ids) have nothing to differentiate and skip the rule, as does
+    `own_adjoint=False`, which `vmap` drivers need (a custom VJP's collectives lose the vmap axis name).
+    """
+    args = (operand, input_offsets, send_sizes, output_offsets, recv_sizes, rows, pad, axis_name, impl)
+    if not own_adjoint or not jnp.issubdtype(operand.dtype, jnp.inexact):
+        return _differentiable_exchange.fun(*args)
+    return _differentiable_exchange(*args)
 
 
 def expand_reduce(x: jax.Array, row_experts: jax.Array, row_weights: jax.Array, experts: Params,
@@ -236,14 +286,14 @@ def _guard_capacity(received: jax.Array, capacity: int, buffer_factor: float) ->
 
 def ep_routed(x: jax.Array, plan: DispatchPlan, experts: Params, *, backend: Backend, impl: Impl,
               axis_name: str = EP_AXIS, check: bool = True, buffer_factor: float = -1.0,
-              fp8: Fp8 = "none") -> jax.Array:
+              fp8: Fp8 = "none", own_adjoint: bool = True) -> jax.Array:
     """Routed-expert output [T, D] float32 for this rank's tokens `x` [T, D], its `plan`, and its expert
     shard `experts` ({wi_0, wi_1: [L, D, F], wo: [L, F, D]}). Runs per rank under shard_map or vmap.
 
     Send: row i of the send buffer is x[row_token[i]]; in each destination's receive buffer (`receive_rows`
     rows, pre-filled as padding: zeros, expert -1) the senders' rows follow one another in rank order.
     Return: each destination sends one reduced row per received row back to the position it came from; the
-    source sums rows per token. With a capped buffer (`buffer_factor` > 0) rows past the end are never sent
+    source sums rows per token (`own_adjoint`: see `exchange`). With a capped buffer (`buffer_factor` > 0) rows past the end are never sent
     and `_guard_capacity` stops the step; the `check` of copies still counts every (token, expert) pair.
     """
     ranks = plan.send_counts.shape[0]
@@ -256,24 +306,24 @@ def ep_routed(x: jax.Array, plan: DispatchPlan, experts: Params, *, backend: Bac
     fits = jnp.clip(capacity - landing, 0, counts)  # never write past a receive buffer
     send_sizes, recv_sizes = fits[me], fits[:, me]
     out_offsets, recv_offsets = landing[me], landing[:, me]
-    ex = functools.partial(exchange, axis_name=axis_name, impl=impl)
+    ex = functools.partial(exchange, axis_name=axis_name, impl=impl, own_adjoint=own_adjoint)
 
     def send(rows: jax.Array, pad: float) -> jax.Array:
-        buffer = jnp.full((capacity, *rows.shape[1:]), pad, rows.dtype)
-        return ex(rows, buffer, plan.send_offsets, send_sizes, out_offsets, recv_sizes)
+        return ex(rows, plan.send_offsets, send_sizes, out_offsets, recv_sizes, rows=capacity, pad=pad)
 
     recv_x = send(x[plan.row_token], 0)
     y_recv, copies = expand_reduce(recv_x, send(plan.row_experts, -1), send(plan.row_weights, 0), experts, backend,
                                    fp8)
     if check:
         _check_dropless(jax.lax.psum(copies, axis_name), x.shape[0] * plan.top_k * ranks, "the expert ranks together")
-    back = ex(y_recv.astype(x.dtype), jnp.zeros((plan.row_token.shape[0], x.shape[1]), x.dtype),
-              recv_offsets, recv_sizes, _transpose(plan.send_offsets, axis_name), send_sizes)
+    back = ex(y_recv.astype(x.dtype), recv_offsets, recv_sizes, _transpose(plan.send_offsets, axis_name), send_sizes,
+              rows=plan.row_token.shape[0])
     return jax.ops.segment_sum(back.astype(jnp.float32), plan.row_token, num_segments=x.shape[0])
 
 
 def _rank_routed(gate: Params, experts: Params, x: jax.Array, *, cfg: MoEConfig, ranks: int, dedup: bool,
-                 backend: Backend, impl: Impl, axis_name: str, buffer_factor: float) -> tuple[jax.Array, ...]:
+                 backend: Backend, impl: Impl, axis_name: str, buffer_factor: float,
+                 own_adjoint: bool = True) -> tuple[jax.Array, ...]:
     """`layer.routed_experts` on one rank's tokens `x` [..., D], with the experts spread over the ranks:
     (float32 output shaped like `x`, expert ids and weights [..., k])."""
     tokens = x.reshape(-1, cfg.emb_dim)
@@ -281,7 +331,7 @@ def _rank_routed(gate: Params, experts: Params, x: jax.Array, *, cfg: MoEConfig,
     plan = plan_dispatch(routing.indices, routing.weights, cfg.routing.num_experts, ranks, dedup=dedup,
                          check=cfg.check_dropless)
     routed = ep_routed(tokens, plan, experts, backend=backend, impl=impl, axis_name=axis_name,
-                       check=cfg.check_dropless, buffer_factor=buffer_factor, fp8=cfg.fp8)
+                       check=cfg.check_dropless, buffer_factor=buffer_factor, fp8=cfg.fp8, own_adjoint=own_adjoint)
     lead = x.shape[:-1]
     return routed.reshape(x.shape), routing.indices.reshape(*lead, -1), routing.weights.reshape(*lead, -1)
 
@@ -323,7 +373,7 @@ def ep_moe_forward_emulated(params: Params, x: jax.Array, cfg: MoEConfig, ranks:
     p = params["MoeBlock_0"]
     shards = {n: p[n].reshape(ranks, num_local, *p[n].shape[1:]) for n in _EXPERT_KEYS}
     body = functools.partial(_rank_forward, cfg=cfg, ranks=ranks, dedup=dedup, backend=backend, impl="emulated",
-                             axis_name=EP_AXIS, buffer_factor=-1.0)
+                             axis_name=EP_AXIS, buffer_factor=-1.0, own_adjoint=False)
     y, indices, weights = jax.vmap(body, in_axes=(None, 0, None, 0), axis_name=EP_AXIS)(
         p["gate"], shards, params["shared_experts"], tokens.reshape(ranks, -1, cfg.emb_dim))
     return y.reshape(x.shape), _routing(indices, weights, cfg)
@@ -332,7 +382,7 @@ def ep_moe_forward_emulated(params: Params, x: jax.Array, cfg: MoEConfig, ranks:
 def ep_routed_sharded(p: Params, x: jax.Array, cfg: MoEConfig, mesh: Mesh, *, token_spec: P,
                       axis_name: str = EP_AXIS, dedup: bool = True, backend: Backend = "ragged_dot",
                       impl: Impl = "ragged_all_to_all", buffer_factor: float = -1.0,
-                      check_vma: bool = True) -> tuple[jax.Array, Routing]:
+                      check_vma: bool | None = None) -> tuple[jax.Array, Routing]:
     """The routed experts (`p`: MaxText's `MoeBlock_0` tree) on `x` [..., D] under `shard_map` over `mesh`:
     (float32 output shaped like `x`, the routing used).
 
@@ -342,7 +392,9 @@ def ep_routed_sharded(p: Params, x: jax.Array, cfg: MoEConfig, mesh: Mesh, *, to
     The experts are split over `axis_name` on their first dimension and replicated over the other axes
     (GSPMD gathers any other sharding at the boundary), the gate is replicated. "ragged_all_to_all" is
     refused up front on CPU devices, where XLA would fail at compile time with an opcode error; "emulated"
-    runs there (and on GPUs, as a cross-check of the real collective).
+    runs there (and on GPUs, as a cross-check of the real collective). `check_vma` None means on, except
+    for the TE backend: TE 2.20's grouped-GEMM VJP returns weight gradients without shard_map's
+    varying-axis type, which JAX then rejects (seen on two H200s).
     """
     if impl == "ragged_all_to_all" and any(d.platform == "cpu" for d in mesh.devices.flat):
         raise UserError("ragged_all_to_all is not implemented on XLA:CPU; use the emulated exchange.",
@@ -352,7 +404,8 @@ def ep_routed_sharded(p: Params, x: jax.Array, cfg: MoEConfig, mesh: Mesh, *, to
     body = functools.partial(_rank_routed, cfg=cfg, ranks=ranks, dedup=dedup, backend=backend, impl=impl,
                              axis_name=axis_name, buffer_factor=buffer_factor)
     routed, indices, weights = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(axis_name), token_spec),
-                                             out_specs=token_spec, check_vma=check_vma)(
+                                             out_specs=token_spec,
+                                             check_vma=backend != "te" if check_vma is None else check_vma)(
         p["gate"], {n: p[n] for n in _EXPERT_KEYS}, x)
     return routed, _routing(indices, weights, cfg)
 

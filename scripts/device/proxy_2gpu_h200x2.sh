@@ -2,37 +2,40 @@
 # One device call on the lent 2 x H200 machine (kind nvidia-h200-x2; issues 4 and 5): the real
 # ragged_all_to_all exchange against its emulation (GPU tests), the EP2 MoE layer with and without
 # per-rank dedup (scripts/bench_ep_dispatch.py), then `maxtext-moe bench` of the two-GPU proxy with expert
-# parallelism 2 (our block, TE) and with FSDP 2 (MaxText's block), one process per GPU.
-# Usage there: bash scripts/device/proxy_2gpu_h200x2.sh STEPS ["NAME RECIPE key=value ..." ...]
+# parallelism 2 (our block, TE) and with FSDP 2 (MaxText's block), one process per GPU (or one for both).
+# Usage there: bash scripts/device/proxy_2gpu_h200x2.sh STEPS ["NAME PROCESSES RECIPE key=value ..." ...]
 # Logs and JSON: $OUT/results.tgz.
 set -uo pipefail
 steps=${1:-8}; shift || true
 source scripts/device/common.sh
 nvidia-smi topo -m >> "$W/gpu.txt" 2>&1
-timeout 150 python3 -m pytest tests/test_moe_dispatch.py -m gpu -q -p no:cacheprovider > "$W/dispatch_gpu.log" 2>&1
-echo "dispatch GPU tests rc=$?"; tail -3 "$W/dispatch_gpu.log"
-timeout 150 python3 scripts/bench_ep_dispatch.py --tokens-per-device 8192 --experts 64 --backend te \
+timeout 100 python3 -m pytest tests/test_moe_dispatch.py -m gpu -q -p no:cacheprovider > "$W/dispatch_gpu.log" 2>&1
+echo "dispatch GPU tests rc=$?"; tail -3 "$W/dispatch_gpu.log"; pack
+timeout 120 python3 scripts/bench_ep_dispatch.py --tokens-per-device 8192 --experts 64 --backend te \
   --out "$W/ep_dispatch.json" > "$W/ep_dispatch.log" 2>&1
 echo "EP dispatch bench rc=$?"; grep -v "Warning\|^ *$" "$W/ep_dispatch.log" | tail -6
-two_processes() {  # name recipe [overrides]: one process per GPU, process 0 reports
-  local name=$1 t0=$SECONDS; shift
-  local pids=()
-  for i in 0 1; do
-    JAX_COORDINATOR_ADDRESS=127.0.0.1:8476 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=$i JAX_LOCAL_DEVICE_IDS=$i \
-      timeout "${RUNG_TIMEOUT:-240}" python3 -m maxtext_moe bench "$@" --steps "$steps" --warmup 3 \
-      --out "$W/$name.json" base_output_directory="/tmp/runs/$name" > "$W/$name.p$i.log" 2>&1 &
+bench() {  # name, processes (1: one process sees both GPUs; 2: one per GPU), recipe [overrides]; process 0 reports
+  local name=$1 procs=$2 t0=$SECONDS; shift 2
+  local pids=() i
+  for ((i = 0; i < procs; i++)); do
+    local dist=()
+    [ "$procs" = 1 ] || dist=(JAX_COORDINATOR_ADDRESS=127.0.0.1:8476 JAX_NUM_PROCESSES="$procs" JAX_PROCESS_ID=$i
+                             JAX_LOCAL_DEVICE_IDS=$i)
+    env "${dist[@]}" PYTHONFAULTHANDLER=1 timeout "${RUNG_TIMEOUT:-240}" python3 -m maxtext_moe bench "$@" \
+      --steps "$steps" --warmup 3 --out "$W/$name.json" base_output_directory="/tmp/runs/$name" > "$W/$name.p$i.log" 2>&1 &
     pids+=($!)
   done
-  local rc=0; for p in "${pids[@]}"; do wait "$p" || rc=$?; done
-  echo "=== $name ($((SECONDS - t0)) s wall): $* rc=$rc"
+  local rc=0 p f; for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+  for f in /tmp/runs/"$name"/*/maxtext*.log; do [ -f "$f" ] && tail -300 "$f" > "$W/$name.$(basename "$f")"; done
+  echo "=== $name ($procs process(es), $((SECONDS - t0)) s wall): $* rc=$rc"
   grep -E "^(step time|predicted|tokens/s|model TFLOPS|MFU|peak device|loss) " "$W/$name.p0.log" \
-    || tail -5 "$W/$name.p0.log"
+    || grep -v "warn" "$W/$name.p0.log" | tail -8
+  pack  # after every run: a call stopped at its time limit still brings back what finished
 }
 if [ $# -eq 0 ]; then
-  set -- "ep2_ours_te deepseek3-proxy-h200-2gpu" "fsdp2_maxtext deepseek3-proxy-h200-2gpu-fsdp"
+  set -- "ep2_ours_te 2 deepseek3-proxy-h200-2gpu" "fsdp2_maxtext 2 deepseek3-proxy-h200-2gpu-fsdp"
 fi
 for spec in "$@"; do
-  # shellcheck disable=SC2086  # a spec is a name, a recipe, then space-separated overrides
-  two_processes $spec
+  # shellcheck disable=SC2086  # a spec is a name, a process count, a recipe, then space-separated overrides
+  bench $spec
 done
-pack

@@ -37,5 +37,5 @@ while [ $# -gt 0 ]; do
   done
   wait
   for n in "${names[@]}"; do cat "$W/$n.summary"; done
+  pack  # after every round: a call stopped at its time limit still brings back what finished
 done
-pack
