@@ -180,6 +180,9 @@ def _emulated_ragged_all_to_all(operand: jax.Array, output: jax.Array, input_off
 def _ragged_exchange(operand: jax.Array, output: jax.Array, input_offsets: jax.Array, send_sizes: jax.Array,
                      output_offsets: jax.Array, recv_sizes: jax.Array, axis_name: str, impl: Impl) -> jax.Array:
     if impl == "ragged_all_to_all":
+        # The collective's result takes the output buffer's type; a fresh buffer is the same on every rank,
+        # while the rows arriving are not: mark it varying, or shard_map's checks reject our adjoint.
+        output = jax.lax.pcast(output, axis_name, to="varying")
         return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
                                          axis_name=axis_name)
     if impl == "emulated":
@@ -240,13 +243,18 @@ def expand_reduce(x: jax.Array, row_experts: jax.Array, row_weights: jax.Array, 
                   backend: Backend, fp8: Fp8 = "none") -> tuple[jax.Array, jax.Array]:
     """Receive side: rows [M, D] with slots [M, S] -> (weighted sum of their local experts' outputs [M, D]
     float32, number of valid (row, expert) copies). Empty slots (-1, or out of this rank's [0, L)) sort
-    after the L expert groups, so the grouped GEMMs never see them, and are zeroed before the sum."""
+    after the L expert groups, so the grouped GEMMs never see them, and are zeroed before the sum. TE's
+    grouped GEMM asserts that the groups cover all M rows (seen on two H200s), so with TE the empty slots
+    join the last group: correct (their outputs and gradients are zeroed) but computed, and with the
+    dropless worst-case buffer about half of the M rows are empty at EP2."""
     rows, slots = row_experts.shape
     num_local = experts["wi_0"].shape[0]
     flat = row_experts.reshape(-1)
     valid = (flat >= 0) & (flat < num_local)
     order, inverse, sizes = sort_by_expert(jnp.where(valid, flat, num_local), num_local + 1, check=False)
     sizes = sizes[:num_local]
+    if backend == "te":  # TE's grouped GEMM needs groups that cover every row: the last expert also runs
+        sizes = sizes.at[-1].add(flat.shape[0] - jnp.sum(sizes))  # the empty slots (zeroed below; see docstring)
 
     x_sorted = permute_rows(jnp.repeat(x, slots, axis=0), order, inverse)
     out = permute_rows(expert_mlp(x_sorted, experts, sizes, backend, fp8), inverse, order)

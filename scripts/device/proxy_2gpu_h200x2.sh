@@ -9,11 +9,13 @@ set -uo pipefail
 steps=${1:-8}; shift || true
 source scripts/device/common.sh
 nvidia-smi topo -m >> "$W/gpu.txt" 2>&1
-timeout 100 python3 -m pytest tests/test_moe_dispatch.py -m gpu -q -p no:cacheprovider > "$W/dispatch_gpu.log" 2>&1
-echo "dispatch GPU tests rc=$?"; tail -3 "$W/dispatch_gpu.log"; pack
-timeout 120 python3 scripts/bench_ep_dispatch.py --tokens-per-device 8192 --experts 64 --backend te \
-  --out "$W/ep_dispatch.json" > "$W/ep_dispatch.log" 2>&1
-echo "EP dispatch bench rc=$?"; grep -v "Warning\|^ *$" "$W/ep_dispatch.log" | tail -6
+timeout 100 python3 -m pytest tests/test_moe_dispatch.py -m gpu -q -rP -p no:cacheprovider > "$W/dispatch_gpu.log" 2>&1
+echo "dispatch GPU tests rc=$?"; grep "JAX's transpose" "$W/dispatch_gpu.log"; tail -3 "$W/dispatch_gpu.log"; pack
+for backend in ${EP_BENCH_BACKENDS:-tokamax te}; do
+  timeout -k 10 120 python3 scripts/bench_ep_dispatch.py --tokens-per-device 8192 --experts 64 --backend "$backend" \
+    --out "$W/ep_dispatch_$backend.json" > "$W/ep_dispatch_$backend.log" 2>&1
+  echo "EP dispatch bench ($backend) rc=$?"; grep -v "Warning\|^ *$" "$W/ep_dispatch_$backend.log" | tail -6; pack
+done
 bench() {  # name, processes (1: one process sees both GPUs; 2: one per GPU), recipe [overrides]; process 0 reports
   local name=$1 procs=$2 t0=$SECONDS; shift 2
   local pids=() i
@@ -21,7 +23,7 @@ bench() {  # name, processes (1: one process sees both GPUs; 2: one per GPU), re
     local dist=()
     [ "$procs" = 1 ] || dist=(JAX_COORDINATOR_ADDRESS=127.0.0.1:8476 JAX_NUM_PROCESSES="$procs" JAX_PROCESS_ID=$i
                              JAX_LOCAL_DEVICE_IDS=$i)
-    env "${dist[@]}" PYTHONFAULTHANDLER=1 timeout "${RUNG_TIMEOUT:-240}" python3 -m maxtext_moe bench "$@" \
+    env "${dist[@]}" PYTHONFAULTHANDLER=1 timeout -k 10 "${RUNG_TIMEOUT:-240}" python3 -m maxtext_moe bench "$@" \
       --steps "$steps" --warmup 3 --out "$W/$name.json" base_output_directory="/tmp/runs/$name" > "$W/$name.p$i.log" 2>&1 &
     pids+=($!)
   done

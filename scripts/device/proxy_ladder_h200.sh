@@ -12,7 +12,7 @@ python3 -m maxtext_moe doctor deepseek3-proxy-h200-1gpu 2>&1 | tee -a "$W/gpu.tx
 RUNG_TIMEOUT=${RUNG_TIMEOUT:-280}
 rung() {  # gpu, name, then overrides; writes NAME.json, NAME.log and NAME.summary (and NAME.profile.txt)
   local gpu=$1 name=$2 t0=$SECONDS; shift 2
-  CUDA_VISIBLE_DEVICES=$gpu timeout "$RUNG_TIMEOUT" python3 -m maxtext_moe bench deepseek3-proxy-h200-1gpu \
+  CUDA_VISIBLE_DEVICES=$gpu timeout -k 10 "$RUNG_TIMEOUT" python3 -m maxtext_moe bench deepseek3-proxy-h200-1gpu \
     --steps "$steps" --warmup 3 --out "$W/$name.json" base_output_directory="/tmp/runs/$name" "$@" > "$W/$name.log" 2>&1
   local rc=$?
   { echo "=== $name (GPU $gpu, $((SECONDS - t0)) s wall): $* rc=$rc"
