@@ -227,11 +227,15 @@ def exchange(operand: jax.Array, input_offsets: jax.Array, send_sizes: jax.Array
 
     Call it per rank (inside `shard_map`, or inside `vmap(axis_name=...)` for "emulated"). "ragged_all_to_all"
     is the real collective (GPU; XLA:CPU does not implement it); "emulated" runs anywhere.
-    Gradients use our own adjoint (`_exchange_bwd`: the same exchange run backwards), not JAX 0.11.2's
-    transpose rule of `ragged_all_to_all`: with that rule, on two H200s, the gradient of the gate kernel
-    through the real exchange differed from the emulation's (relative difference 1.85) while the forward
-    outputs agreed. Integer operands (expert ids) have nothing to differentiate and skip the rule, as does
-    `own_adjoint=False`, which `vmap` drivers need (a custom VJP's collectives lose the vmap axis name).
+    Gradients use our own adjoint (`_exchange_bwd`: the same exchange run backwards, as the combine runs),
+    which on two H200s gives the emulation's gradients for the whole EP layer (tests/test_moe_dispatch.py).
+    Why not JAX 0.11.2's transpose of `ragged_all_to_all`: our first GPU run through it (with the output
+    buffer typed as the same on every rank, under shard_map's checks) gave a gate-kernel gradient 1.85
+    (relative) away from the emulation's while the outputs agreed. Alone, on one exchange without those
+    checks, JAX's transpose agreed exactly; which of the two caused the miss is not isolated, so the layer
+    keeps the adjoint that was verified. Integer operands (expert ids) have nothing to differentiate and skip
+    the rule, as does `own_adjoint=False`, which `vmap` drivers need (a custom VJP's collectives lose the
+    vmap axis name).
     """
     args = (operand, input_offsets, send_sizes, output_offsets, recv_sizes, rows, pad, axis_name, impl)
     if not own_adjoint or not jnp.issubdtype(operand.dtype, jnp.inexact):
@@ -400,9 +404,9 @@ def ep_routed_sharded(p: Params, x: jax.Array, cfg: MoEConfig, mesh: Mesh, *, to
     The experts are split over `axis_name` on their first dimension and replicated over the other axes
     (GSPMD gathers any other sharding at the boundary), the gate is replicated. "ragged_all_to_all" is
     refused up front on CPU devices, where XLA would fail at compile time with an opcode error; "emulated"
-    runs there (and on GPUs, as a cross-check of the real collective). `check_vma` None means on, except
-    for the TE backend: TE 2.20's grouped-GEMM VJP returns weight gradients without shard_map's
-    varying-axis type, which JAX then rejects (seen on two H200s).
+    runs there (and on GPUs, as a cross-check of the real collective). `check_vma` None means on for
+    `ragged_dot` only: the custom VJPs of TE 2.20's grouped GEMM and of tokamax 0.0.17's ragged_dot return
+    weight gradients without shard_map's varying-axis type, which JAX then rejects (both seen on two H200s).
     """
     if impl == "ragged_all_to_all" and any(d.platform == "cpu" for d in mesh.devices.flat):
         raise UserError("ragged_all_to_all is not implemented on XLA:CPU; use the emulated exchange.",
@@ -413,7 +417,7 @@ def ep_routed_sharded(p: Params, x: jax.Array, cfg: MoEConfig, mesh: Mesh, *, to
                              axis_name=axis_name, buffer_factor=buffer_factor)
     routed, indices, weights = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(axis_name), token_spec),
                                              out_specs=token_spec,
-                                             check_vma=backend != "te" if check_vma is None else check_vma)(
+                                             check_vma=backend == "ragged_dot" if check_vma is None else check_vma)(
         p["gate"], {n: p[n] for n in _EXPERT_KEYS}, x)
     return routed, _routing(indices, weights, cfg)
 
