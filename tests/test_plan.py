@@ -65,6 +65,18 @@ def test_memory_falls_with_more_gpus_and_dedup_cuts_all_to_all() -> None:
     assert 0 < big.a2a["per_rank_dedup"] < big.a2a["per_expert"]
 
 
+def test_ep_time_counts_the_bytes_the_recipes_block_sends() -> None:
+    """Our block sends a token once per destination rank, MaxText's once per chosen expert: the step's EP
+    collective carries the volume of the block the recipe runs, and ours is the shorter."""
+    def ep(overrides: list[str]):
+        p = estimate(cli.resolve("deepseek3-proxy-h200-2gpu", overrides))
+        return next(c for c in p.collectives if c.name.startswith("EP all-to-all")), p.a2a
+    ours, a2a = ep([])
+    upstream, _ = ep(["moe.impl=maxtext"])
+    assert ours.bytes == a2a["per_rank_dedup"] and upstream.bytes == a2a["per_expert"]
+    assert ours.bytes < upstream.bytes and "once per rank" in ours.name
+
+
 def test_bad_planner_inputs_name_the_fix() -> None:
     r = cli.resolve("deepseek3-671b-h200-128", [])
     with pytest.raises(UserError, match=r"--gpus 100 is not a multiple of the other mesh axes \(product 8"):

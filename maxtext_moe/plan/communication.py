@@ -1,8 +1,9 @@
 """Bytes each GPU moves per training step, by collective, and how long that takes on the profile.
 
 MaxText's XLA path sends a routed token once per chosen expert (DESIGN.md: no per-rank dedup), so
-the EP all-to-all volume grows with top-k; with per-rank dedup it grows with the number of distinct
-ranks a token reaches, which group-limited routing caps. Upstream reports neither; both are here.
+the EP all-to-all volume grows with top-k; with per-rank dedup (our block, `moe.impl: ours`) it grows
+with the number of distinct ranks a token reaches, which group-limited routing caps. Upstream reports
+neither; both are here, and the step time uses the one the recipe's block sends.
 Which link a collective uses follows MaxText's mesh order (expert innermost, then tensor, fsdp,
 stage, data): an axis whose group spans more GPUs than one NVLink domain runs at network speed.
 """
@@ -80,7 +81,9 @@ def per_step(m: Model, lay: Layout, groups: int = 0, topk_groups: int = 0) -> tu
         per_token = moe_layers * passes * m.emb * lay.act_bytes * remote * lay.pp
         a2a["per_expert"] = lay.tokens * per_token * m.topk
         a2a["per_rank_dedup"] = lay.tokens * per_token * ranks_per_token(m, lay, groups, topk_groups)
-        out.append(Collective("EP all-to-all (dispatch + combine)", a2a["per_expert"], _link(lay, s_ep, lay.ep), False))
+        name, sent = (("EP all-to-all (dispatch + combine, once per rank)", a2a["per_rank_dedup"]) if lay.dedup_dispatch
+                      else ("EP all-to-all (dispatch + combine)", a2a["per_expert"]))
+        out.append(Collective(name, sent, _link(lay, s_ep, lay.ep), False))
     if lay.tp > 1:
         layers = (m.layers + m.mtp_layers) / lay.pp
         out.append(Collective("TP all-reduce (activations)", lay.tokens * layers * 4 * 2 * m.emb * lay.act_bytes,

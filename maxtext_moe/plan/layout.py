@@ -64,6 +64,7 @@ class Layout:
     latency_hiding: bool
     offload_optimizer: bool
     offload_params: bool
+    dedup_dispatch: bool  # EP sends a token once per destination rank (our block), not once per expert
 
     @property
     def tokens(self) -> float:
@@ -176,4 +177,5 @@ def from_recipe(r: ResolvedRecipe, gpus: int | None = None, gpu_type: str | None
         latency_hiding="xla_gpu_enable_latency_hiding_scheduler=true" in flags,
         offload_optimizer=bool(r.effective("optimizer_memory_host_offload")),
         offload_params=bool(r.effective("parameter_memory_host_offload")),
+        dedup_dispatch=r.moe["impl"] == "ours",
     )
