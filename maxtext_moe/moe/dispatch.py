@@ -191,17 +191,20 @@ def _ragged_exchange(operand: jax.Array, output: jax.Array, input_offsets: jax.A
     raise UserError(f"unknown EP exchange {impl!r}.", fix="use 'ragged_all_to_all' (GPU) or 'emulated'.")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _differentiable_exchange(operand: jax.Array, input_offsets: jax.Array, send_sizes: jax.Array,
-                             output_offsets: jax.Array, recv_sizes: jax.Array, rows: int, pad: float,
-                             axis_name: str, impl: Impl) -> jax.Array:
+def _exchange_into_fresh_buffer(operand: jax.Array, input_offsets: jax.Array, send_sizes: jax.Array,
+                                output_offsets: jax.Array, recv_sizes: jax.Array, rows: int, pad: float,
+                                axis_name: str, impl: Impl) -> jax.Array:
     output = jnp.full((rows, *operand.shape[1:]), pad, operand.dtype)
     return _ragged_exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name, impl)
 
 
-def _exchange_fwd(operand, input_offsets, send_sizes, output_offsets, recv_sizes, rows, pad, axis_name, impl):
-    out = _differentiable_exchange(operand, input_offsets, send_sizes, output_offsets, recv_sizes, rows, pad,
-                                   axis_name, impl)
+_differentiable_exchange = jax.custom_vjp(_exchange_into_fresh_buffer, nondiff_argnums=(5, 6, 7, 8))
+
+
+def _exchange_fwd(operand: jax.Array, input_offsets: jax.Array, send_sizes: jax.Array, output_offsets: jax.Array,
+                  recv_sizes: jax.Array, rows: int, pad: float, axis_name: str, impl: Impl) -> tuple[jax.Array, tuple]:
+    out = _exchange_into_fresh_buffer(operand, input_offsets, send_sizes, output_offsets, recv_sizes, rows, pad,
+                                      axis_name, impl)
     operand_rows = jnp.zeros((operand.shape[0], 0), operand.dtype)  # carries the operand's row count
     return out, (input_offsets, send_sizes, output_offsets, recv_sizes, operand_rows)
 
@@ -239,7 +242,7 @@ def exchange(operand: jax.Array, input_offsets: jax.Array, send_sizes: jax.Array
     """
     args = (operand, input_offsets, send_sizes, output_offsets, recv_sizes, rows, pad, axis_name, impl)
     if not own_adjoint or not jnp.issubdtype(operand.dtype, jnp.inexact):
-        return _differentiable_exchange.fun(*args)
+        return _exchange_into_fresh_buffer(*args)
     return _differentiable_exchange(*args)
 
 
@@ -305,8 +308,9 @@ def ep_routed(x: jax.Array, plan: DispatchPlan, experts: Params, *, backend: Bac
     Send: row i of the send buffer is x[row_token[i]]; in each destination's receive buffer (`receive_rows`
     rows, pre-filled as padding: zeros, expert -1) the senders' rows follow one another in rank order.
     Return: each destination sends one reduced row per received row back to the position it came from; the
-    source sums rows per token (`own_adjoint`: see `exchange`). With a capped buffer (`buffer_factor` > 0) rows past the end are never sent
-    and `_guard_capacity` stops the step; the `check` of copies still counts every (token, expert) pair.
+    source sums rows per token (`own_adjoint`: see `exchange`). With a capped buffer (`buffer_factor` > 0)
+    rows past the end are never sent and `_guard_capacity` stops the step; the `check` of copies still
+    counts every (token, expert) pair.
     """
     ranks = plan.send_counts.shape[0]
     capacity = receive_rows(plan, buffer_factor)

@@ -35,7 +35,10 @@ bench() {  # name, processes (1: one process sees both GPUs; 2: one per GPU), re
   pack  # after every run: a call stopped at its time limit still brings back what finished
 }
 if [ $# -eq 0 ]; then
-  set -- "ep2_ours_te 2 deepseek3-proxy-h200-2gpu" "fsdp2_maxtext 2 deepseek3-proxy-h200-2gpu-fsdp"
+  # What is left to learn about EP2 (docs/PERFORMANCE.md): one process, then XLA's other ragged all-to-all.
+  set -- "ep2_ours_tokamax_1proc 1 deepseek3-proxy-h200-2gpu moe.gemm=tokamax" \
+         "ep2_ours_tokamax_no1shot 2 deepseek3-proxy-h200-2gpu moe.gemm=tokamax xla_flags.xla_gpu_unsupported_use_ragged_all_to_all_one_shot_kernel=false" \
+         "ep2_ours_tokamax_decomposed 2 deepseek3-proxy-h200-2gpu moe.gemm=tokamax xla_flags.xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true"
 fi
 for spec in "$@"; do
   # shellcheck disable=SC2086  # a spec is a name, a process count, a recipe, then space-separated overrides
