@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from maxtext_moe import distributed
+from maxtext_moe import distributed, xla_flags
 from maxtext_moe.errors import UserError
 from maxtext_moe.resolved import ResolvedRecipe
 from maxtext_moe.validate import FP8_QUANTIZATIONS, MXFP8
@@ -222,6 +222,7 @@ def render(r: ResolvedRecipe, lines: list[Line]) -> str:
 def run(r: ResolvedRecipe, *, as_json: bool = False, out: Callable[[str], None] = print,
         probe_fn: Callable[[], Machine] = probe) -> int:
     """Print the report; 0 when the recipe can run here, 1 when it cannot."""
+    xla_flags.check(r)  # before the probe starts jax with the recipe's flags: XLA would abort it
     os.environ.update(r.env)  # what training would see: JAX_PLATFORMS, device count, memory fraction
     os.environ.update(distributed.process_env(r.topology, os.environ))
     machine = probe_fn()

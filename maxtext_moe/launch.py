@@ -1,8 +1,9 @@
 """Run MaxText's pre-training loop for a resolved recipe.
 
-The order is the point: guard the run folder, build the corpus, set the recipe's environment
-(XLA_FLAGS and friends are read when jax starts, so nothing here imports jax before this), check
-the keys with MaxText's own model, then call MaxText's `train.main` with exactly those keys.
+The order is the point: check the recipe's XLA flags against XLA, guard the run folder, build the
+corpus, set the recipe's environment (XLA_FLAGS and friends are read when jax starts, so nothing here
+imports jax before this), check the keys with MaxText's own model, then call MaxText's `train.main`
+with exactly those keys.
 MaxText's full INFO log goes to `<run>/maxtext.log`; the terminal gets one progress line a step.
 """
 
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from maxtext_moe import corpus, distributed, maxtext_check, maxtext_keys, run_dir
+from maxtext_moe import corpus, distributed, maxtext_check, maxtext_keys, run_dir, xla_flags
 from maxtext_moe.errors import UserError
 from maxtext_moe.progress import Progress
 from maxtext_moe.resolved import ResolvedRecipe
@@ -88,6 +89,7 @@ def train(resolved: ResolvedRecipe, *, force: bool = False, verbose: bool = Fals
           out: Callable[[str], None] = print) -> dict | None:
     """Train `resolved` to its `steps`, resuming from the latest checkpoint; returns the last metrics."""
     rp = run_paths(resolved)
+    xla_flags.check(resolved)  # XLA would abort the run on a flag it does not know, after the start-up
     os.environ.update(resolved.env)
     # MaxText 0.2.5 looks for its tokenizers under a source checkout's src/maxtext/assets; point it at
     # the installed package's copy so `tokenizer_path: tokenizer.llama2` works from a pip install.
