@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from maxtext_moe import launch
+from maxtext_moe import launch, profile_summary
 from maxtext_moe.errors import UserError
 from maxtext_moe.progress import read_metrics
 from maxtext_moe.resolved import ResolvedRecipe
@@ -54,6 +54,7 @@ class BenchResult:
     date: str
     settings: dict[str, Any]  # the MaxText keys the bench ran with
     moe: dict[str, Any]  # the recipe's moe section (which routed-MoE block and grouped GEMM)
+    profile: dict[str, Any] | None = None  # profile_summary of two warm-up steps (--profile)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -77,6 +78,10 @@ class BenchResult:
             ("host peak RSS", f"{self.host_peak_rss_gib:.1f} GiB"),
             ("loss", f"{self.loss_first:.4f} -> {self.loss_last:.4f} over the timed steps"),
         ]
+        if self.profile:
+            rows.append(("profile (warm-up)", f"{self.profile['trace']}"))
+            rows += [(f"  {name}", f"{ms / 2:.1f} ms/step ({ms / self.profile['total_ms']:.1%} of kernel time)")
+                     for name, ms in self.profile["categories"]]
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
 
@@ -89,9 +94,13 @@ def _peak_device_memory_gib() -> float | None:
     return None if peak is None else peak / 2**30
 
 
-def run(resolved: ResolvedRecipe, *, steps: int, warmup: int,
+PROFILED_STEPS = (1, 2)  # warm-up steps after the compiling one: the timed steps stay untraced
+
+
+def run(resolved: ResolvedRecipe, *, steps: int, warmup: int, profile: bool = False,
         out: Callable[[str], None] = print) -> BenchResult | None:
-    """Train `warmup + steps` steps of `resolved` in a fresh run folder and summarise the timed ones.
+    """Train `warmup + steps` steps of `resolved` in a fresh run folder and summarise the timed ones;
+    with `profile`, MaxText traces warm-up steps 1-2 and the summary says where their device time went.
 
     Returns None in every process but the first of a multi-process run.
     """
@@ -101,12 +110,17 @@ def run(resolved: ResolvedRecipe, *, steps: int, warmup: int,
     if steps < 2 or warmup < 1:
         raise UserError(f"needs at least 1 warm-up and 2 timed steps, got {warmup} and {steps}.",
                         fix="use --warmup 1 or more and --steps 2 or more.")
+    if profile and warmup <= PROFILED_STEPS[-1]:
+        raise UserError(f"--profile traces warm-up steps {PROFILED_STEPS[0]}-{PROFILED_STEPS[-1]}, so it needs "
+                        f"{PROFILED_STEPS[-1] + 1} or more warm-up steps, got {warmup}.", fix="use --warmup 3 or more.")
     total = warmup + steps
+    traced = dict(profiler="xplane", skip_first_n_steps_for_profiler=PROFILED_STEPS[0],
+                  profiler_steps=len(PROFILED_STEPS)) if profile else {}
     # No checkpoints, so every bench starts at step 0 and MaxText restarts the metrics file; the name has
     # no time stamp because every process of a multi-process run must arrive at the same folder.
     maxtext = dict(resolved.maxtext, steps=total, learning_rate_schedule_steps=total, enable_checkpointing=False,
                    save_checkpoint_on_completion=False,
-                   run_name=f"{resolved.maxtext.get('run_name') or resolved.name}-bench")
+                   run_name=f"{resolved.maxtext.get('run_name') or resolved.name}-bench", **traced)
     bench_recipe = ResolvedRecipe(**{**resolved.__dict__, "maxtext": maxtext})
     hw = resolved.topology.profile
     # The planner's step time needs a device peak; on the CPU only its FLOPs count applies.
@@ -146,6 +160,8 @@ def run(resolved: ResolvedRecipe, *, steps: int, warmup: int,
         predicted_step_s=predicted.step_s if predicted else None, loss_first=losses[0], loss_last=losses[-1],
         loss_finite_and_falling=learning,
         date=time.strftime("%Y-%m-%d"), settings=maxtext, moe=resolved.moe,
+        profile=profile_summary.summarize(profile_summary.find_trace(launch.run_paths(bench_recipe).run), top=25)
+        if profile else None,
     )
 
 

@@ -97,7 +97,7 @@ def cmd_checkpoints(a: argparse.Namespace) -> int:
 def cmd_bench(a: argparse.Namespace) -> int:
     from maxtext_moe import bench
 
-    result = bench.run(resolve(a.recipe, a.overrides), steps=a.steps, warmup=a.warmup)
+    result = bench.run(resolve(a.recipe, a.overrides), steps=a.steps, warmup=a.warmup, profile=a.profile)
     if result is None:  # not the reporting process of a multi-process run
         return 0
     if a.out:
@@ -190,6 +190,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("overrides", nargs="*", metavar="key=value")
     b.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
     b.add_argument("--warmup", type=int, default=3, help="untimed steps first: compilation, autotuning (default 3)")
+    b.add_argument("--profile", action="store_true",
+                   help="trace warm-up steps 1-2 and report device time by kernel category (the timed steps stay untraced)")
     b.add_argument("--json", action="store_true", help="machine-readable output")
     b.add_argument("--out", help="also write the JSON result to this file")
     b.set_defaults(func=cmd_bench)

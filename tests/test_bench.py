@@ -1,5 +1,6 @@
-"""`maxtext-moe bench` on the CPU: real steps, a summary consistent with MaxText's own per-step log, and a
-profile of a warm-up step that scripts/profile_summary.py reads back."""
+"""`maxtext-moe bench` on the CPU: real steps, a summary consistent with MaxText's own per-step log, and
+(--profile) a trace of two warm-up steps summarised by kernel category, also by `python -m
+maxtext_moe.profile_summary` from the trace on disk."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import json
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -18,16 +18,15 @@ pytestmark = pytest.mark.slow
 
 def test_bench_reports_the_timed_steps(tmp_path):
     out = tmp_path / "bench.json"
-    r = run_cli("bench", "deepseek3-tiny-cpu", "--steps", "4", "--warmup", "2", "--out", str(out),
-                f"base_output_directory={tmp_path}", *FAST, "corpus.max_mib=1",
-                "profiler=xplane", "skip_first_n_steps_for_profiler=1", "profiler_steps=1")
+    r = run_cli("bench", "deepseek3-tiny-cpu", "--steps", "4", "--warmup", "3", "--out", str(out),
+                f"base_output_directory={tmp_path}", *FAST, "corpus.max_mib=1", "--profile")
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert result["warmup_steps"] == 2 and result["timed_steps"] == 4 and result["moe"] == {"impl": "maxtext"}
+    assert result["warmup_steps"] == 3 and result["timed_steps"] == 4 and result["moe"] == {"impl": "maxtext"}
     run = tmp_path / "deepseek3-tiny-cpu-bench"
     metrics = read_metrics(run)
-    assert sorted(metrics) == list(range(6))
-    times = [metrics[s]["perf/step_time_seconds"] for s in range(2, 6)]
+    assert sorted(metrics) == list(range(7))
+    times = [metrics[s]["perf/step_time_seconds"] for s in range(3, 7)]
     assert result["step_s_median"] == pytest.approx(statistics.median(times))
     assert result["tokens_per_step"] == 2 * 128
     assert result["tokens_per_s_per_gpu"] == pytest.approx(256 / result["step_s_median"])
@@ -36,12 +35,21 @@ def test_bench_reports_the_timed_steps(tmp_path):
     assert not (run / "checkpoints").exists()
     assert "step time" in r.stdout and "model TFLOPS/GPU" in r.stdout
 
-    summary = tmp_path / "profile.json"
-    p = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "scripts/profile_summary.py"), str(run),
-                        "--top", "5", "--out", str(summary)], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr[-3000:]
-    prof = json.loads(summary.read_text())
-    assert prof["source"].startswith("host XLA ops") and len(prof["kernels"]) == 5
+    prof = result["profile"]
+    assert prof["source"].startswith("host XLA ops") and len(prof["kernels"]) == 25
     categories = dict(prof["categories"])
     assert categories["GEMM (cuBLAS/XLA dot)"] > 0 and sum(categories.values()) == pytest.approx(prof["total_ms"])
+    assert "profile (warm-up)" in r.stdout and "ms/step" in r.stdout
+
+    summary = tmp_path / "profile.json"
+    p = subprocess.run([sys.executable, "-m", "maxtext_moe.profile_summary", str(run), "--top", "5",
+                        "--out", str(summary)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads(summary.read_text())["categories"] == prof["categories"]
     assert "category" in p.stdout and "HLO op" in p.stdout
+
+
+def test_profile_needs_the_warm_up_steps_it_traces(tmp_path):
+    r = run_cli("bench", "deepseek3-tiny-cpu", "--warmup", "2", "--profile", f"base_output_directory={tmp_path}")
+    assert r.returncode != 0
+    assert "--profile traces warm-up steps 1-2, so it needs 3 or more warm-up steps, got 2" in r.stderr

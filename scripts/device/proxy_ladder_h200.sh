@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call (issue 4): `maxtext-moe bench` on the one-GPU DeepSeek-V3 proxy, rung by rung, as many
 # rungs at once as the machine has GPUs (one process per GPU, pinned with CUDA_VISIBLE_DEVICES; a rung
-# never shares its GPU). A rung whose overrides set `profiler=xplane` also gets
-# scripts/profile_summary.py's table of where its device time went. Logs and JSON: $OUT/results.tgz.
+# never shares its GPU). A rung may carry bench options too: `--profile` adds where the device time of
+# two warm-up steps went. Logs and JSON: $OUT/results.tgz.
 # Usage there: bash scripts/device/proxy_ladder_h200.sh STEPS ["NAME key=value ..." ...]
 # (no rungs given: the first call's three, upstream tokamax with cuDNN attention through JAX, then TE, then FP8)
 set -uo pipefail
@@ -10,18 +10,15 @@ steps=${1:-8}; shift || true
 source scripts/device/common.sh
 python3 -m maxtext_moe doctor deepseek3-proxy-h200-1gpu 2>&1 | tee -a "$W/gpu.txt"
 RUNG_TIMEOUT=${RUNG_TIMEOUT:-280}
-rung() {  # gpu, name, then overrides; writes NAME.json, NAME.log and NAME.summary (and NAME.profile.txt)
+rung() {  # gpu, name, then overrides; writes NAME.json, NAME.log and NAME.summary
   local gpu=$1 name=$2 t0=$SECONDS; shift 2
   CUDA_VISIBLE_DEVICES=$gpu timeout -k 10 "$RUNG_TIMEOUT" python3 -m maxtext_moe bench deepseek3-proxy-h200-1gpu \
     --steps "$steps" --warmup 3 --out "$W/$name.json" base_output_directory="/tmp/runs/$name" "$@" > "$W/$name.log" 2>&1
   local rc=$?
   { echo "=== $name (GPU $gpu, $((SECONDS - t0)) s wall): $* rc=$rc"
-    grep -E "^(step time|predicted|tokens/s|model TFLOPS|MFU|peak device|loss) " "$W/$name.log" || tail -4 "$W/$name.log"
+    grep -E "^(step time|predicted|tokens/s|model TFLOPS|MFU|peak device|loss|profile|  [a-zA-Z])" "$W/$name.log" \
+      || tail -4 "$W/$name.log"
   } > "$W/$name.summary"
-  if [[ " $* " == *" profiler=xplane "* ]]; then
-    python3 scripts/profile_summary.py "/tmp/runs/$name" --top 30 --out "$W/$name.profile.json" > "$W/$name.profile.txt" 2>&1
-    head -12 "$W/$name.profile.txt" >> "$W/$name.summary"
-  fi
 }
 if [ $# -eq 0 ]; then
   set -- "tokamax_cudnnjax moe.impl=maxtext" "tokamax_cudnnte moe.impl=maxtext attention=cudnn_flash_te" \

@@ -1,14 +1,14 @@
 """Where a profiled training step spends its device time: kernel time by category, by kernel and by HLO op.
 
-Why our own: MaxText writes an XPlane trace (`profiler=xplane`), but reading it needs TensorBoard's
-profile plugin (xprof), which the lent GPU machine does not have and cannot fetch. JAX ships a reader
-(`jax.profiler.ProfileData`); this script sums the kernel events of each GPU plane (on a CPU-only trace:
-the XLA op events of the host threads) into a short text table that a device call can bring back.
+Why our own: MaxText writes an XPlane trace (`profiler=xplane`; `maxtext-moe bench --profile` sets it for
+two warm-up steps), but reading it needs TensorBoard's profile plugin (xprof), which a GPU node or the
+lent machine may not have. JAX ships a reader (`jax.profiler.ProfileData`); this module sums the kernel
+events of each GPU plane (on a CPU-only trace: the XLA op events of the host threads) into a short table.
 
 Events are summed per stream, so kernels that overlap on different streams both count: the total can
 exceed the wall span, which is also printed.
 
-    python scripts/profile_summary.py /tmp/runs/RUN/tensorboard --top 25 --out summary.json
+    python -m maxtext_moe.profile_summary runs/RUN/tensorboard --top 25 --out summary.json
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import json
 import sys
 from pathlib import Path
 from typing import Any
+
+from maxtext_moe.errors import UserError
 
 # Checked in order; the first that matches the lower-cased kernel name or HLO op wins.
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -36,7 +38,8 @@ def find_trace(path: Path) -> Path:
         return path
     traces = sorted(path.rglob("*.xplane.pb"), key=lambda p: p.stat().st_mtime)
     if not traces:
-        raise SystemExit(f"no *.xplane.pb under {path}")
+        raise UserError(f"no profile (*.xplane.pb) under {path}.",
+                        fix="profile a run first: maxtext-moe bench RECIPE --profile (or profiler=xplane).")
     return traces[-1]
 
 
@@ -71,7 +74,7 @@ def summarize(trace: Path, top: int) -> dict[str, Any]:
                 first, last = min(first, ev.start_ns), max(last, ev.start_ns + ev.duration_ns)
     total = sum(by_cat.values())
     if not total:
-        raise SystemExit(f"no events with a duration in {trace}")
+        raise UserError(f"the profile {trace} holds no device events.", fix="profile again with more steps.")
     return {"trace": str(trace), "source": source, "planes": [p.name for p in planes], "total_ms": total,
             "wall_span_ms": (last - first) / 1e6,
             "categories": by_cat.most_common(), "kernels": by_kernel.most_common(top), "hlo_ops": by_op.most_common(top)}
