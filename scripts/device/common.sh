@@ -4,10 +4,11 @@
 # A second script in the same call finds both installed and skips the work.
 python3 -c "import maxtext" 2>/dev/null || python3 -m pip install -q --no-index --no-deps .device/wheels/*.whl || exit 1
 export PYTHONPATH=$PWD:$PWD/.device/xprof-stub DECOUPLE_GCLOUD=TRUE PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-[ -f /opt/te/activate.sh ] ||
-  python3 -c "import tarfile;tarfile.open('.device/te_h200_bundle.tar.xz').extractall('/opt/te',filter='tar')" || exit 1
+TE_ROOT=${TE_ROOT:-/opt/te}
+[ -f "$TE_ROOT/activate.sh" ] ||
+  python3 -c "import tarfile;tarfile.open('.device/te_h200_bundle.tar.xz').extractall('$TE_ROOT',filter='tar')" || exit 1
 # shellcheck disable=SC1091  # unpacked just above
-source /opt/te/activate.sh
-W=/tmp/results; mkdir -p "$W"  # logs gather here; each script packs them into one file under $OUT
+source "$TE_ROOT/activate.sh"
+W=${DEVICE_RESULTS:-/tmp/results}; mkdir -p "$W"  # logs gather here; each script packs them into one file under $OUT
 nvidia-smi --query-gpu=index,name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv | tee -a "$W/gpu.txt"
 pack() { tar czf "$OUT/results.tgz" -C "$W" . ; }
