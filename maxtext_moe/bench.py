@@ -80,7 +80,7 @@ class BenchResult:
         ]
         if self.profile:
             rows.append(("profile (warm-up)", f"{self.profile['trace']}"))
-            rows += [(f"  {name}", f"{ms / 2:.1f} ms/step ({ms / self.profile['total_ms']:.1%} of kernel time)")
+            rows += [(f"  {name}", f"{ms / len(PROFILED_STEPS):.1f} ms/step ({ms / self.profile['total_ms']:.1%} of kernel time)")
                      for name, ms in self.profile["categories"]]
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
