@@ -80,7 +80,8 @@ class BenchResult:
         ]
         if self.profile:
             rows.append(("profile (warm-up)", f"{self.profile['trace']}"))
-            rows += [(f"  {name}", f"{ms / len(PROFILED_STEPS):.1f} ms/step ({ms / self.profile['total_ms']:.1%} of kernel time)")
+            total, traced = self.profile["total_ms"], len(PROFILED_STEPS)
+            rows += [(f"  {name}", f"{ms / traced:.1f} ms/step ({ms / total:.1%} of kernel time)")
                      for name, ms in self.profile["categories"]]
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
