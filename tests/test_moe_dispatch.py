@@ -147,8 +147,6 @@ _TWO_CPU_DEVICES = textwrap.dedent("""
     import json
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh
-    from jax.sharding import PartitionSpec as P
-
     from maxtext_moe.errors import UserError
     from maxtext_moe.moe import dispatch
     from maxtext_moe.moe.layer import MoEConfig, init_params, moe_forward
