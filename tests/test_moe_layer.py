@@ -122,3 +122,49 @@ def test_te_backend_without_te_names_the_package(monkeypatch: pytest.MonkeyPatch
 def test_unknown_backend_is_a_user_error() -> None:
     with pytest.raises(UserError, match="ragged_dot"):
         gemm.grouped_matmul(jnp.ones((4, 8)), jnp.ones((2, 8, 3)), jnp.array([1, 3]), "cutlass")
+
+
+def _unwritten_tail_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes, **_) -> jax.Array:
+    """Stand-in for tokamax's Mosaic GPU kernel as seen on two H200s: output rows past the groups, and the
+    same rows of the input gradient, are left unwritten (NaN here)."""
+    sizes = group_sizes.value
+
+    @jax.custom_vjp
+    def f(x: jax.Array, w: jax.Array) -> jax.Array:
+        tail = jnp.arange(x.shape[0]) >= jnp.sum(sizes)
+        return jnp.where(tail[:, None], jnp.nan, jax.lax.ragged_dot(x, w, sizes))
+
+    def fwd(x, w):
+        return f(x, w), (x, w)
+
+    def bwd(res, g):
+        x, w = res
+        _, vjp = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, sizes), x, w)
+        dx, dw = vjp(g)
+        return jnp.where((jnp.arange(x.shape[0]) >= jnp.sum(sizes))[:, None], jnp.nan, dx), dw
+
+    f.defvjp(fwd, bwd)
+    return f(lhs, rhs)
+
+
+def test_partial_groups_give_zero_tail_rows_and_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The expert-parallel receive buffer has rows past the groups; whatever the kernel leaves there, the
+    grouped GEMM returns zeros and passes zero gradient for them, as jax.lax.ragged_dot does."""
+    import tokamax
+
+    monkeypatch.setattr(tokamax, "ragged_dot", _unwritten_tail_ragged_dot)
+    x = jax.random.normal(jax.random.key(0), (12, 8))
+    w = jax.random.normal(jax.random.key(1), (3, 8, 5))
+    sizes = jnp.array([2, 0, 5])  # 7 of 12 rows
+
+    def loss(x, w, backend, partial):
+        return jnp.sum(jnp.sin(gemm.grouped_matmul(x, w, sizes, backend, partial=partial)))
+
+    assert np.isnan(np.asarray(jax.grad(loss)(x, w, "tokamax", False))).any()  # the stand-in does bite
+    out = gemm.grouped_matmul(x, w, sizes, "tokamax", partial=True)
+    ref = jax.lax.ragged_dot(x, w, sizes)
+    assert np.array_equal(np.asarray(out[7:]), np.zeros((5, 5)))
+    np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-6)
+    for got, want in zip(jax.grad(loss, argnums=(0, 1))(x, w, "tokamax", True),
+                         jax.grad(loss, argnums=(0, 1))(x, w, "ragged_dot", False)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

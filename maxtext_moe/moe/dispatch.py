@@ -250,21 +250,17 @@ def expand_reduce(x: jax.Array, row_experts: jax.Array, row_weights: jax.Array, 
                   backend: Backend, fp8: Fp8 = "none") -> tuple[jax.Array, jax.Array]:
     """Receive side: rows [M, D] with slots [M, S] -> (weighted sum of their local experts' outputs [M, D]
     float32, number of valid (row, expert) copies). Empty slots (-1, or out of this rank's [0, L)) sort
-    after the L expert groups, so the grouped GEMMs never see them, and are zeroed before the sum. TE's
-    grouped GEMM asserts that the groups cover all M rows (seen on two H200s), so with TE the empty slots
-    join the last group: correct (their outputs and gradients are zeroed) but computed, and with the
-    dropless worst-case buffer about half of the M rows are empty at EP2."""
+    after the L expert groups and are zeroed before the sum; the grouped GEMMs treat them as rows past the
+    groups (`grouped_matmul(partial=True)`): tokamax skips them, TE computes them (it needs groups that
+    cover every row), and with the dropless worst-case buffer about half of the M rows are empty at EP2."""
     rows, slots = row_experts.shape
     num_local = experts["wi_0"].shape[0]
     flat = row_experts.reshape(-1)
     valid = (flat >= 0) & (flat < num_local)
     order, inverse, sizes = sort_by_expert(jnp.where(valid, flat, num_local), num_local + 1, check=False)
     sizes = sizes[:num_local]
-    if backend == "te":  # TE's grouped GEMM needs groups that cover every row: the last expert also runs
-        sizes = sizes.at[-1].add(flat.shape[0] - jnp.sum(sizes))  # the empty slots (zeroed below; see docstring)
-
     x_sorted = permute_rows(jnp.repeat(x, slots, axis=0), order, inverse)
-    out = permute_rows(expert_mlp(x_sorted, experts, sizes, backend, fp8), inverse, order)
+    out = permute_rows(expert_mlp(x_sorted, experts, sizes, backend, fp8, partial=True), inverse, order)
     out = jnp.where(valid[:, None], out, 0).reshape(rows, slots, -1)
     y = jnp.einsum("msd,ms->md", out, row_weights.astype(x.dtype), preferred_element_type=jnp.float32)
     return y, jnp.sum(valid, dtype=jnp.int32)

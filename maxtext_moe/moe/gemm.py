@@ -114,13 +114,16 @@ def _te_fp8_current_scaling(dense: ModuleType, x_sorted: jax.Array, w: jax.Array
 
 
 def grouped_matmul(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array, backend: Backend,
-                   fp8: Fp8 = "none") -> jax.Array:
+                   fp8: Fp8 = "none", *, partial: bool = False) -> jax.Array:
     """[M, K] rows sorted by group, [G, K, N] weights, [G] int32 sizes -> [M, N] in `x_sorted.dtype`.
 
     Accumulation is float32 in every backend. tokamax runs its Mosaic GPU kernel on GPU (what MaxText's
     `use_tokamax_gmm=true` calls) and its XLA implementation elsewhere (Mosaic GPU has no CPU target).
     `fp8="current_scaling"` quantizes both operands to FP8 inside TE's grouped GEMM (backend te only; see
     the module docstring); "none" computes in `x_sorted.dtype`.
+
+    `partial=True` when the sizes may sum to less than M (the expert-parallel receive buffer): see
+    `_tail_guarded`. With the default the caller promises they sum to M (the one-device layer).
     """
     if fp8 not in FP8_MODES:
         raise UserError(f"unknown FP8 mode {fp8!r} for the expert GEMMs.", fix=f"choose one of {', '.join(FP8_MODES)}.")
@@ -132,6 +135,8 @@ def grouped_matmul(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array, ba
                         f"group_sizes {group_sizes.shape}; want [M,K], [G,K,N], [G].")
     group_sizes = group_sizes.astype(jnp.int32)
     w = w.astype(x_sorted.dtype)
+    if partial and backend != "ragged_dot":
+        return _tail_guarded(x_sorted, w, group_sizes, backend, fp8)
     if backend == "ragged_dot":
         return jax.lax.ragged_dot(x_sorted, w, group_sizes, preferred_element_type=x_sorted.dtype)
     if backend == "tokamax":
@@ -149,3 +154,22 @@ def grouped_matmul(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array, ba
             return _te_fp8_current_scaling(dense, x_sorted, w, group_sizes)
         return dense.grouped_dense(x_sorted, w, group_sizes).astype(x_sorted.dtype)
     raise UserError(f"unknown grouped-GEMM backend {backend!r}.", fix=f"choose one of {', '.join(BACKENDS)}.")
+
+
+def _tail_guarded(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array, backend: Backend,
+                  fp8: Fp8) -> jax.Array:
+    """The grouped GEMM when the groups end before row M: rows past them give zero outputs and take zero
+    gradients, as `jax.lax.ragged_dot` defines it, whatever the kernel does with them.
+
+    Why: tokamax's Mosaic GPU kernel leaves those output rows unwritten (it has no `zero_initialize`), and
+    so does its backward for the input gradient; on two H200s that memory turned the first EP2 step's
+    gradients into NaN (the loss was finite, the next one NaN). TE asserts that the groups cover all M
+    rows, so for TE the tail joins the last group: its rows are zeroed first, so they add nothing to that
+    expert's weight gradient, but they are computed.
+    """
+    tail = jnp.arange(x_sorted.shape[0]) >= jnp.sum(group_sizes)
+    x_sorted = jnp.where(tail[:, None], 0, x_sorted)
+    if backend == "te":
+        group_sizes = group_sizes.at[-1].add(x_sorted.shape[0] - jnp.sum(group_sizes))
+    out = grouped_matmul(x_sorted, w, group_sizes, backend, fp8)
+    return jnp.where(tail[:, None], 0, out)

@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
-# One device call on the lent 2 x H200 machine (kind nvidia-h200-x2; issues 4 and 5): the real
-# ragged_all_to_all exchange against its emulation (GPU tests), the EP2 MoE layer with and without
+# One device call on the lent 2 x H200 machine (kind nvidia-h200-x2; issues 4 and 5): the GPU tests (the
+# real ragged_all_to_all exchange against its emulation, the grouped-GEMM backends), the EP2 MoE layer with and without
 # per-rank dedup (scripts/bench_ep_dispatch.py), then `maxtext-moe bench` of the two-GPU proxy with expert
 # parallelism 2 (our block, TE) and with FSDP 2 (MaxText's block), one process per GPU (or one for both).
 # Usage there: bash scripts/device/proxy_2gpu_h200x2.sh STEPS ["NAME PROCESSES RECIPE key=value ..." ...]
+# DISPATCH_TESTS=0 skips the GPU tests; EP_BENCH_BACKENDS=" " skips the layer benchmark.
 # Logs and JSON: $OUT/results.tgz.
 set -uo pipefail
 steps=${1:-8}; shift || true
 source scripts/device/common.sh
 nvidia-smi topo -m >> "$W/gpu.txt" 2>&1
-timeout 100 python3 -m pytest tests/test_moe_dispatch.py -m gpu -q -rP -p no:cacheprovider > "$W/dispatch_gpu.log" 2>&1
-echo "dispatch GPU tests rc=$?"; grep "JAX's transpose" "$W/dispatch_gpu.log"; tail -3 "$W/dispatch_gpu.log"; pack
+if [ "${DISPATCH_TESTS:-1}" != 0 ]; then
+  timeout 200 python3 -m pytest tests/test_moe_dispatch.py tests/test_moe_gpu.py -m gpu -q -rP -p no:cacheprovider \
+    > "$W/dispatch_gpu.log" 2>&1
+  echo "dispatch GPU tests rc=$?"; grep "JAX's transpose" "$W/dispatch_gpu.log"; tail -3 "$W/dispatch_gpu.log"; pack
+fi
 for backend in ${EP_BENCH_BACKENDS:-tokamax te}; do
   timeout -k 10 120 python3 scripts/bench_ep_dispatch.py --tokens-per-device 8192 --experts 64 --backend "$backend" \
     --out "$W/ep_dispatch_$backend.json" > "$W/ep_dispatch_$backend.log" 2>&1
