@@ -26,7 +26,7 @@ FP8_QUANTIZATIONS = {"fp8", "fp8_e4m3", "fp8_e5m2", "nanoo_fp8", "fp8_nanoo", "f
 MXFP8 = "te_mxfp8"
 
 MOE_CHOICES = {"impl": ("maxtext", "ours"), "gemm": ("te", "tokamax", "ragged_dot"), "te_gemm_path": ("auto", "v1", "v2"),
-               "fp8": ("none", "current_scaling")}
+               "fp8": ("none", "current_scaling"), "exchange": ("auto", "all_to_all", "ragged_all_to_all")}
 
 # key -> (predicate, what the value must be)
 RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
@@ -227,6 +227,10 @@ def _moe(comp: Composition, check: _Checker, hw: Hardware) -> dict[str, Any]:
             raise UserError(f"is {fp8}, but FP8 expert GEMMs run on Transformer Engine's grouped GEMM only, and "
                             f"moe.gemm is {gemm}.", key="moe.fp8", source=sec["fp8"].source,
                             fix="set moe.gemm: te, or moe.fp8: none.")
+    exchange = sec["exchange"].value if "exchange" in sec else "auto"
+    if exchange == "ragged_all_to_all" and hw.maxtext_hardware != "gpu":
+        raise UserError(f"is ragged_all_to_all, which XLA implements on GPUs only, and this recipe runs on {hw.name}.",
+                        key="moe.exchange", source=sec["exchange"].source, fix="use moe.exchange: auto (or all_to_all).")
     if check.value("decoder_block") != "deepseek":
         check.fail("decoder_block", f"is {check.value('decoder_block')!r}, but moe.impl: ours replaces the routed "
                                     "experts of MaxText's DeepSeek decoder layer only.",
@@ -256,7 +260,7 @@ def _moe(comp: Composition, check: _Checker, hw: Hardware) -> dict[str, Any]:
                                       "MaxText's pipeline stages.",
                    "set it to 1, or use moe.impl: maxtext.")
     return {"impl": impl, "gemm": gemm, "te_gemm_path": sec["te_gemm_path"].value if "te_gemm_path" in sec else "auto",
-            "fp8": fp8}
+            "fp8": fp8, "exchange": exchange}
 
 
 def _env(comp: Composition) -> dict[str, str]:

@@ -75,6 +75,19 @@ def test_partial_groups_match_ragged_dot(backend: str) -> None:
     def loss(x, w, b, partial):
         return jnp.sum(jnp.sin(grouped_matmul(x, w, sizes, b, partial=partial).astype(jnp.float32)))
 
+    if backend == "tokamax":  # the kernel alone, unguarded, for the record: which groups' dW differ
+        import tokamax
+
+        def raw(x, w):
+            y = tokamax.ragged_dot(x, w, group_sizes=tokamax.RaggedDotGroupSizes(sizes, x.shape[0]),
+                                   preferred_element_type=x.dtype, implementation="mosaic")
+            return jnp.sum(jnp.where(jnp.arange(4096)[:, None] < 2000, jnp.sin(y.astype(jnp.float32)), 0))
+
+        dw_raw = jax.jit(jax.grad(raw, argnums=1))(x, w)
+        dw_ref = jax.jit(jax.grad(loss, argnums=1), static_argnums=(2, 3))(x, w, "ragged_dot", False)
+        print("unguarded tokamax dW, rel. error per group (sizes %s):" % np.asarray(sizes).tolist(),
+              [round(rel(dw_raw[g], dw_ref[g]), 4) if np.asarray(sizes)[g] else
+               float(np.abs(np.asarray(dw_raw[g], np.float32)).max()) for g in range(8)])
     out = jax.jit(grouped_matmul, static_argnames=("backend", "partial"))(x, w, sizes, backend=backend, partial=True)
     assert not np.asarray(out[2000:], np.float32).any()
     assert rel(out[:2000], jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)[:2000]) < 1e-2

@@ -200,7 +200,7 @@ def test_every_recipe_file_is_a_mapping_with_a_description():
 def test_moe_section_defaults_and_checks():
     assert compose_resolve(TINY).moe == {"impl": "maxtext"}
     r = compose_resolve(TINY, "moe.impl=ours")
-    assert r.moe == {"impl": "ours", "gemm": "ragged_dot", "te_gemm_path": "auto", "fp8": "none"}
+    assert r.moe == {"impl": "ours", "gemm": "ragged_dot", "te_gemm_path": "auto", "fp8": "none", "exchange": "auto"}
     assert r.sources["moe.gemm"] == "default for cpu"
     assert "moe.impl: must be one of maxtext, ours, got 'mine'." in error_of(TINY, "moe.impl=mine")
     assert "moe.gemm: applies only to moe.impl: ours" in error_of(TINY, "moe.gemm=tokamax")

@@ -11,8 +11,10 @@ Layout: R ranks on one mesh axis; rank r holds experts [r*L, (r+1)*L), L = E/R, 
 tokens. Everything is a pure function of arrays, with static shapes sized for the dropless worst case:
   `plan_dispatch`  per source rank: send counts per destination, the order of the rows to send, and per
                    row the local experts (k slots at most, padded with -1) and weights (padded with 0).
-  `exchange`       one ragged all-to-all, two implementations: `jax.lax.ragged_all_to_all` (GPU) and an
-                   emulation from `all_gather` + gathers (runs on any backend, also under `vmap`).
+  `exchange`       one ragged all-to-all, three implementations: "all_to_all" (XLA's dense all-to-all of
+                   fixed per-destination blocks: every backend, any number of processes), "ragged_all_to_all"
+                   (`jax.lax.ragged_all_to_all`: GPUs only) and "emulated" (`all_gather` + gathers: the
+                   reference, also under `vmap`).
   `expand_reduce`  receive side: one copy per (row, local expert), grouped GEMMs, weighted sum per row.
   `ep_routed`      the routed part on one rank: plan -> exchange -> expand/reduce -> exchange back -> sum.
 Drivers: `ep_moe_forward_emulated` (ranks on an explicit leading axis through `vmap`: the CPU reference),
@@ -47,7 +49,8 @@ from maxtext_moe.moe.layer import (MoEConfig, Params, expert_mlp, gate_logits, p
                                    sort_by_expert)
 from maxtext_moe.moe.routing import Routing, route
 
-Impl = Literal["ragged_all_to_all", "emulated"]
+Impl = Literal["all_to_all", "ragged_all_to_all", "emulated"]
+IMPLS: tuple[Impl, ...] = ("all_to_all", "ragged_all_to_all", "emulated")
 EP_AXIS = "expert"  # MaxText's name for the expert-parallel mesh axis
 
 
@@ -177,8 +180,35 @@ def _emulated_ragged_all_to_all(operand: jax.Array, output: jax.Array, input_off
     return jnp.where(got, senders[sender, row], output)
 
 
+def _dense_ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offsets: jax.Array,
+                              send_sizes: jax.Array, output_offsets: jax.Array, recv_sizes: jax.Array,
+                              axis_name: str, block: int) -> jax.Array:
+    """`ragged_all_to_all` over XLA's plain all-to-all: each destination's rows go in a block of `block`
+    rows (at least every send size), the blocks cross in one all-to-all, and each receiver scatters the
+    rows that arrived into its output. It sends R * block rows, padding included.
+
+    Why: on two H200s with one process per GPU, XLA's ragged all-to-all between processes never completed
+    a step, and its decomposer (`xla_gpu_unsupported_enable_ragged_all_to_all_decomposer`) trains but sends
+    R blocks of the whole operand to every peer. The plain all-to-all is NCCL's own collective, and XLA:CPU
+    implements it too, so this path runs in the CPU tests as it does on GPUs. With dedup a destination
+    gets at most T rows from a source, so `block` = T; at EP2 nearly every token goes to the other rank,
+    so the padding costs little there (see docs/PERFORMANCE.md for EP8)."""
+    ranks, j = input_offsets.shape[0], jnp.arange(block)
+    src = jnp.clip(input_offsets[:, None] + j, 0, operand.shape[0] - 1)  # [R, block] rows for destination d
+    mask = (j < send_sizes[:, None]).reshape(ranks, block, *([1] * (operand.ndim - 1)))
+    blocks = jnp.where(mask, operand[src], 0)
+    got = jax.lax.all_to_all(blocks, axis_name, 0, 0)  # got[s] = sender s's block for me
+    dst = _transpose(output_offsets, axis_name)[:, None] + j  # where sender s's row j lands in my output
+    dst = jnp.where(j < recv_sizes[:, None], dst, output.shape[0])  # rows past a sender's size are dropped
+    return output.at[dst.reshape(-1)].set(got.reshape(ranks * block, *operand.shape[1:]), mode="drop")
+
+
 def _ragged_exchange(operand: jax.Array, output: jax.Array, input_offsets: jax.Array, send_sizes: jax.Array,
-                     output_offsets: jax.Array, recv_sizes: jax.Array, axis_name: str, impl: Impl) -> jax.Array:
+                     output_offsets: jax.Array, recv_sizes: jax.Array, axis_name: str, impl: Impl,
+                     block: int) -> jax.Array:
+    if impl == "all_to_all":
+        return _dense_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                                        axis_name, block)
     if impl == "ragged_all_to_all":
         # The collective's result takes the output buffer's type; a fresh buffer is the same on every rank,
         # while the rows arriving are not: mark it varying, or shard_map's checks reject our adjoint.
@@ -188,34 +218,36 @@ def _ragged_exchange(operand: jax.Array, output: jax.Array, input_offsets: jax.A
     if impl == "emulated":
         return _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
                                            axis_name)
-    raise UserError(f"unknown EP exchange {impl!r}.", fix="use 'ragged_all_to_all' (GPU) or 'emulated'.")
+    raise UserError(f"unknown EP exchange {impl!r}.", fix=f"use one of {', '.join(IMPLS)}.")
 
 
 def _exchange_into_fresh_buffer(operand: jax.Array, input_offsets: jax.Array, send_sizes: jax.Array,
                                 output_offsets: jax.Array, recv_sizes: jax.Array, rows: int, pad: float,
-                                axis_name: str, impl: Impl) -> jax.Array:
+                                axis_name: str, impl: Impl, block: int) -> jax.Array:
     output = jnp.full((rows, *operand.shape[1:]), pad, operand.dtype)
-    return _ragged_exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name, impl)
+    return _ragged_exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name, impl,
+                            block)
 
 
-_differentiable_exchange = jax.custom_vjp(_exchange_into_fresh_buffer, nondiff_argnums=(5, 6, 7, 8))
+_differentiable_exchange = jax.custom_vjp(_exchange_into_fresh_buffer, nondiff_argnums=(5, 6, 7, 8, 9))
 
 
 def _exchange_fwd(operand: jax.Array, input_offsets: jax.Array, send_sizes: jax.Array, output_offsets: jax.Array,
-                  recv_sizes: jax.Array, rows: int, pad: float, axis_name: str, impl: Impl) -> tuple[jax.Array, tuple]:
+                  recv_sizes: jax.Array, rows: int, pad: float, axis_name: str, impl: Impl,
+                  block: int) -> tuple[jax.Array, tuple]:
     out = _exchange_into_fresh_buffer(operand, input_offsets, send_sizes, output_offsets, recv_sizes, rows, pad,
-                                      axis_name, impl)
+                                      axis_name, impl, block)
     operand_rows = jnp.zeros((operand.shape[0], 0), operand.dtype)  # carries the operand's row count
     return out, (input_offsets, send_sizes, output_offsets, recv_sizes, operand_rows)
 
 
-def _exchange_bwd(rows: int, pad: float, axis_name: str, impl: Impl, res: tuple, g: jax.Array) -> tuple:
+def _exchange_bwd(rows: int, pad: float, axis_name: str, impl: Impl, block: int, res: tuple, g: jax.Array) -> tuple:
     """The adjoint: each rank sends the cotangent rows of what it received back to where they came from,
     sizes and offsets swapped, exactly as the combine sends results back. The padding is a constant."""
     input_offsets, send_sizes, output_offsets, recv_sizes, operand_rows = res
     back = jnp.zeros((operand_rows.shape[0], *g.shape[1:]), g.dtype)
     operand_t = _ragged_exchange(g, back, _transpose(output_offsets, axis_name), recv_sizes,
-                                 _transpose(input_offsets, axis_name), send_sizes, axis_name, impl)
+                                 _transpose(input_offsets, axis_name), send_sizes, axis_name, impl, block)
     return operand_t, None, None, None, None
 
 
@@ -223,13 +255,14 @@ _differentiable_exchange.defvjp(_exchange_fwd, _exchange_bwd)
 
 
 def exchange(operand: jax.Array, input_offsets: jax.Array, send_sizes: jax.Array, output_offsets: jax.Array,
-             recv_sizes: jax.Array, *, rows: int, pad: float = 0, axis_name: str, impl: Impl,
+             recv_sizes: jax.Array, *, rows: int, pad: float = 0, axis_name: str, impl: Impl, block: int,
              own_adjoint: bool = True) -> jax.Array:
     """One ragged all-to-all over `axis_name` into a fresh buffer of `rows` rows filled with `pad`; offsets
-    and sizes mean what they mean for `jax.lax.ragged_all_to_all`.
+    and sizes mean what they mean for `jax.lax.ragged_all_to_all`; no send size exceeds `block` rows.
 
-    Call it per rank (inside `shard_map`, or inside `vmap(axis_name=...)` for "emulated"). "ragged_all_to_all"
-    is the real collective (GPU; XLA:CPU does not implement it); "emulated" runs anywhere.
+    Call it per rank (inside `shard_map`, or inside `vmap(axis_name=...)` for "emulated"). "all_to_all"
+    (`_dense_ragged_all_to_all`) and "emulated" run anywhere; "ragged_all_to_all" is XLA's collective (GPU;
+    XLA:CPU does not implement it).
     Gradients use our own adjoint (`_exchange_bwd`: the same exchange run backwards, as the combine runs),
     which on two H200s gives the emulation's gradients for the whole EP layer (tests/test_moe_dispatch.py).
     Why not JAX 0.11.2's transpose of `ragged_all_to_all`: our first GPU run through it (with the output
@@ -240,7 +273,7 @@ def exchange(operand: jax.Array, input_offsets: jax.Array, send_sizes: jax.Array
     the rule, as does `own_adjoint=False`, which `vmap` drivers need (a custom VJP's collectives lose the
     vmap axis name).
     """
-    args = (operand, input_offsets, send_sizes, output_offsets, recv_sizes, rows, pad, axis_name, impl)
+    args = (operand, input_offsets, send_sizes, output_offsets, recv_sizes, rows, pad, axis_name, impl, block)
     if not own_adjoint or not jnp.issubdtype(operand.dtype, jnp.inexact):
         return _exchange_into_fresh_buffer(*args)
     return _differentiable_exchange(*args)
@@ -318,7 +351,7 @@ def ep_routed(x: jax.Array, plan: DispatchPlan, experts: Params, *, backend: Bac
     fits = jnp.clip(capacity - landing, 0, counts)  # never write past a receive buffer
     send_sizes, recv_sizes = fits[me], fits[:, me]
     out_offsets, recv_offsets = landing[me], landing[:, me]
-    ex = functools.partial(exchange, axis_name=axis_name, impl=impl, own_adjoint=own_adjoint)
+    ex = functools.partial(exchange, axis_name=axis_name, impl=impl, block=plan.peer_rows, own_adjoint=own_adjoint)
 
     def send(rows: jax.Array, pad: float) -> jax.Array:
         return ex(rows, plan.send_offsets, send_sizes, out_offsets, recv_sizes, rows=capacity, pad=pad)

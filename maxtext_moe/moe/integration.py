@@ -19,9 +19,7 @@ Expert parallelism: when MaxText's mesh has an `expert` axis of size > 1, the ro
 `dispatch.ep_routed_sharded` under `shard_map` over MaxText's own mesh, sharded as MaxText's
 `sparse_matmul` shards them: tokens by the logical axes (`activation_batch`, or `decode_batch_moe` for a
 batch of 1, and `activation_norm_length`), experts by their first dimension over `expert`. The exchange is
-chosen from the devices, not from the recipe (no `moe.exchange` key): `jax.lax.ragged_all_to_all` on GPUs,
-the all_gather emulation elsewhere (XLA:CPU has no ragged_all_to_all; the emulation moves R times the bytes
-and is for tests). The receive buffers follow MaxText's `ragged_buffer_factor` (-1: dropless worst case;
+`moe.exchange` (`exchange_impl`): by default XLA's dense all-to-all, on CPUs and GPUs alike. The receive buffers follow MaxText's `ragged_buffer_factor` (-1: dropless worst case;
 > 0: that many times the balanced rows, and a step that would need more stops with an error, see dispatch.py).
 
 We rebind the DeepSeek layer rather than `moe.RoutedAndSharedMoE` or `moe.RoutedMoE` because those are
@@ -95,6 +93,7 @@ class OurDeepSeekMoELayer(deepseek.DeepSeekMoELayer):
 
     backend: ClassVar[Backend] = "ragged_dot"  # set by `install`
     fp8: ClassVar[Fp8] = "none"  # set by `install`
+    exchange: ClassVar[str] = "auto"  # set by `install` (`moe.exchange`)
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
@@ -107,7 +106,7 @@ class OurDeepSeekMoELayer(deepseek.DeepSeekMoELayer):
         ranks = routed.get_expert_parallelism_size()
         if ranks > 1:
             log.info("moe.impl=ours: expert parallelism %d (exchange %s, ragged_buffer_factor %s)",
-                     ranks, exchange_impl(routed.mesh), routed.get_ragged_buffer_factor())
+                     ranks, exchange_impl(routed.mesh, self.exchange), routed.get_ragged_buffer_factor())
 
     def mlp_op(self, x: jax.Array, deterministic: bool, *args: Any, **kwargs: Any):
         """Replaces MaxText's `self.DeepSeekMoeBlock_0(x, ...)`: (output, load-balance loss, bias update)."""
@@ -117,7 +116,7 @@ class OurDeepSeekMoELayer(deepseek.DeepSeekMoELayer):
         tokens = x.reshape(-1, cfg.emb_dim)
         params = _routed_params(block.MoeBlock_0, cfg.routing.num_experts)
         if block.MoeBlock_0.get_expert_parallelism_size() > 1:
-            routed, routing = _expert_parallel(block.MoeBlock_0, params, x, cfg, self.backend)
+            routed, routing = _expert_parallel(block.MoeBlock_0, params, x, cfg, self.backend, self.exchange)
         else:
             routed, routing = routed_experts(params, tokens, cfg, self.backend)
         shared = block.shared_experts(x, intermediate_sharding=self.mlp_intermediate_sharding,
@@ -134,21 +133,25 @@ def _routed_params(routed: mt_moe.RoutedMoE, num_experts: int) -> Params:
             "wi_0": routed.wi_0[...], "wi_1": routed.wi_1[...], "wo": routed.wo[...]}
 
 
-def exchange_impl(mesh: Mesh) -> dispatch.Impl:
-    """The EP exchange for these devices: the real `ragged_all_to_all` when every device is a GPU, else the
-    emulation (XLA:CPU does not implement the collective). Derived, not configured: on GPUs the real one is
-    the only one worth training on, and elsewhere it cannot compile."""
-    return "ragged_all_to_all" if all(d.platform == "gpu" for d in mesh.devices.flat) else "emulated"
+def exchange_impl(mesh: Mesh, requested: str) -> dispatch.Impl:
+    """The EP exchange (`moe.exchange`): "auto" is XLA's dense all-to-all of per-destination blocks, which
+    runs on every backend and across processes; "ragged_all_to_all" (GPUs only) sends no padding but, with
+    one process per GPU, completed no step on two H200s unless XLA's decomposer flag is set (which pads
+    more than "all_to_all" does); see `dispatch._dense_ragged_all_to_all` and docs/PERFORMANCE.md."""
+    if requested == "ragged_all_to_all" and not all(d.platform == "gpu" for d in mesh.devices.flat):
+        raise UserError("moe.exchange ragged_all_to_all needs GPUs (XLA:CPU does not implement it).",
+                        key="moe.exchange", fix="use moe.exchange: auto.")
+    return "ragged_all_to_all" if requested == "ragged_all_to_all" else "all_to_all"
 
 
 def _expert_parallel(routed: mt_moe.RoutedMoE, params: Params, x: jax.Array, cfg: MoEConfig,
-                     backend: Backend) -> tuple[jax.Array, Routing]:
+                     backend: Backend, exchange: str) -> tuple[jax.Array, Routing]:
     """The routed experts over MaxText's mesh through our dispatch: (float32 [tokens, D], routing), with the
     token sharding MaxText's `sparse_matmul` gives its MoE input and its `ragged_buffer_factor`."""
     batch_axis = "activation_batch" if x.shape[0] > 1 else "decode_batch_moe"  # as `is_batch_sharded_by_ep`
     spec = routed._logical_to_mesh_axes((batch_axis, "activation_norm_length", None))
     out, routing = dispatch.ep_routed_sharded(params, x, cfg, routed.mesh, token_spec=spec, axis_name=dispatch.EP_AXIS,
-                                              backend=backend, impl=exchange_impl(routed.mesh),
+                                              backend=backend, impl=exchange_impl(routed.mesh, exchange),
                                               buffer_factor=routed.get_ragged_buffer_factor(),
                                               check_vma=bool(routed.config.check_vma))
     return out.reshape(-1, cfg.emb_dim), routing
@@ -195,6 +198,7 @@ def install(moe: dict[str, Any]) -> None:
         gemm.select_te_grouped_gemm_path(moe["te_gemm_path"])
     OurDeepSeekMoELayer.backend = backend
     OurDeepSeekMoELayer.fp8 = moe.get("fp8", "none")
+    OurDeepSeekMoELayer.exchange = moe.get("exchange", "auto")
     deepseek.DeepSeekMoELayer = OurDeepSeekMoELayer
     fp8 = OurDeepSeekMoELayer.fp8
     log.info("moe.impl=ours: maxtext.models.deepseek.DeepSeekMoELayer -> %s (grouped GEMM %s)",
