@@ -65,7 +65,9 @@ def test_te_fp8_current_scaling_close_to_reference() -> None:
 @pytest.mark.parametrize("backend", ["tokamax", "te"])
 def test_partial_groups_match_ragged_dot(backend: str) -> None:
     """Rows past the groups (the expert-parallel receive buffer's empty slots): the real kernels, guarded,
-    give jax.lax.ragged_dot's zeros and gradients; unguarded tokamax left them unwritten on the H200."""
+    give jax.lax.ragged_dot's zeros, and gradients close to float32 ones; unguarded tokamax left those rows
+    unwritten on the H200. The per-group weight-gradient error of tokamax's kernel alone is printed: against
+    BF16 ragged_dot it was 0.3-12.5% per group on the H200, so the reference here is float32."""
     from maxtext_moe.moe.gemm import grouped_matmul
 
     x = jax.random.normal(jax.random.key(0), (4096, 512), jnp.bfloat16)
@@ -75,7 +77,9 @@ def test_partial_groups_match_ragged_dot(backend: str) -> None:
     def loss(x, w, b, partial):
         return jnp.sum(jnp.sin(grouped_matmul(x, w, sizes, b, partial=partial).astype(jnp.float32)))
 
-    if backend == "tokamax":  # the kernel alone, unguarded, for the record: which groups' dW differ
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=(2, 3))
+    want = grad(x.astype(jnp.float32), w.astype(jnp.float32), "ragged_dot", False)
+    if backend == "tokamax":
         import tokamax
 
         def raw(x, w):
@@ -83,15 +87,12 @@ def test_partial_groups_match_ragged_dot(backend: str) -> None:
                                    preferred_element_type=x.dtype, implementation="mosaic")
             return jnp.sum(jnp.where(jnp.arange(4096)[:, None] < 2000, jnp.sin(y.astype(jnp.float32)), 0))
 
-        dw_raw = jax.jit(jax.grad(raw, argnums=1))(x, w)
-        dw_ref = jax.jit(jax.grad(loss, argnums=1), static_argnums=(2, 3))(x, w, "ragged_dot", False)
-        print("unguarded tokamax dW, rel. error per group (sizes %s):" % np.asarray(sizes).tolist(),
-              [round(rel(dw_raw[g], dw_ref[g]), 4) if np.asarray(sizes)[g] else
-               float(np.abs(np.asarray(dw_raw[g], np.float32)).max()) for g in range(8)])
+        dw_raw, dw_bf16 = jax.jit(jax.grad(raw, argnums=1))(x, w), grad(x, w, "ragged_dot", False)[1]
+        print("per-group dW rel. error against float32, sizes", np.asarray(sizes).tolist(),
+              "\n  tokamax unguarded:", [round(rel(dw_raw[g], want[1][g]), 4) for g in (0, 2, 3, 4, 5, 6, 7)],
+              "\n  ragged_dot BF16:  ", [round(rel(dw_bf16[g], want[1][g]), 4) for g in (0, 2, 3, 4, 5, 6, 7)])
     out = jax.jit(grouped_matmul, static_argnames=("backend", "partial"))(x, w, sizes, backend=backend, partial=True)
     assert not np.asarray(out[2000:], np.float32).any()
     assert rel(out[:2000], jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)[:2000]) < 1e-2
-    grads = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=(2, 3))(x, w, backend, True)
-    want = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=(2, 3))(x, w, "ragged_dot", False)
-    for got, ref in zip(grads, want):
-        assert np.isfinite(np.asarray(got, np.float32)).all() and rel(got, ref) < 2e-2
+    for name, got, ref in zip(("dx", "dw"), grad(x, w, backend, True), want):
+        assert np.isfinite(np.asarray(got, np.float32)).all() and rel(got, ref) < 2e-2, (name, rel(got, ref))
