@@ -259,6 +259,12 @@ def _moe(comp: Composition, check: _Checker, hw: Hardware) -> dict[str, Any]:
         check.fail(split("pipeline"), "is not 1, but moe.impl: ours does not run expert parallelism inside "
                                       "MaxText's pipeline stages.",
                    "set it to 1, or use moe.impl: maxtext.")
+    if expert_parallel and gemm == "te" and check.value("scan_layers"):
+        # Seen 5 times on two H200s (JAX 0.11.2, TE 2.20.2, one or two processes, either exchange): the
+        # Python fault handler stops in XLA's backend_compile_and_load; scan_layers: false trained.
+        check.fail("scan_layers", "is true, but with moe.gemm: te and expert parallelism XLA's compiler crashes "
+                                  "(segmentation fault) on scanned decoder layers; unrolled layers train.",
+                   "set scan_layers: false, or moe.gemm: tokamax.")
     return {"impl": impl, "gemm": gemm, "te_gemm_path": sec["te_gemm_path"].value if "te_gemm_path" in sec else "auto",
             "fp8": fp8, "exchange": exchange}
 

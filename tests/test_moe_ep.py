@@ -51,7 +51,7 @@ _SHARDED_VS_ONE_DEVICE = textwrap.dedent("""
 
     def sharded(p, x, factor):
         out, _ = dispatch.ep_routed_sharded(p, x, cfg, mesh, token_spec=P(("data", "expert"), None, None),
-                                            impl="emulated", buffer_factor=factor)
+                                            impl="all_to_all", buffer_factor=factor)
         return out.reshape(-1, 32)
 
     def one(p, x):
@@ -111,7 +111,7 @@ def test_ours_with_ep2_trains_as_maxtext_block(tmp_path: Path) -> None:
         r = run_cli("train", RUN, *COMMON, *overrides, f"base_output_directory={tmp_path / name}", cwd=tmp_path,
                     env=TWO_DEVICES)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "expert parallelism 2 (exchange emulated" in (tmp_path / "ours" / RUN / "maxtext.log").read_text()
+    assert "expert parallelism 2 (exchange all_to_all" in (tmp_path / "ours" / RUN / "maxtext.log").read_text()
     ours, mt = _losses(tmp_path / "ours", "learning/loss"), _losses(tmp_path / "maxtext", "learning/loss")
     assert sorted(ours) == list(range(STEPS)) == sorted(mt)
     for step in range(STEPS):

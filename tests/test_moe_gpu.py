@@ -66,8 +66,9 @@ def test_te_fp8_current_scaling_close_to_reference() -> None:
 def test_partial_groups_match_ragged_dot(backend: str) -> None:
     """Rows past the groups (the expert-parallel receive buffer's empty slots): the real kernels, guarded,
     give jax.lax.ragged_dot's zeros, and gradients close to float32 ones; unguarded tokamax left those rows
-    unwritten on the H200. The per-group weight-gradient error of tokamax's kernel alone is printed: against
-    BF16 ragged_dot it was 0.3-12.5% per group on the H200, so the reference here is float32."""
+    unwritten on the H200. tokamax 0.0.17's weight gradient is itself far from float32: 0.3-9.3% per group
+    for its kernel alone, against 0.2% for BF16 ragged_dot (H200, 2026-11-30; printed each run), so its dW
+    bound is looser; dx, and TE's dW, meet the BF16 bound."""
     from maxtext_moe.moe.gemm import grouped_matmul
 
     x = jax.random.normal(jax.random.key(0), (4096, 512), jnp.bfloat16)
@@ -94,5 +95,6 @@ def test_partial_groups_match_ragged_dot(backend: str) -> None:
     out = jax.jit(grouped_matmul, static_argnames=("backend", "partial"))(x, w, sizes, backend=backend, partial=True)
     assert not np.asarray(out[2000:], np.float32).any()
     assert rel(out[:2000], jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)[:2000]) < 1e-2
-    for name, got, ref in zip(("dx", "dw"), grad(x, w, backend, True), want):
-        assert np.isfinite(np.asarray(got, np.float32)).all() and rel(got, ref) < 2e-2, (name, rel(got, ref))
+    bounds = {"dx": 2e-2, "dw": 1.5e-1 if backend == "tokamax" else 2e-2}
+    for (name, bound), got, ref in zip(bounds.items(), grad(x, w, backend, True), want):
+        assert np.isfinite(np.asarray(got, np.float32)).all() and rel(got, ref) < bound, (name, rel(got, ref))

@@ -210,6 +210,14 @@ def test_moe_section_defaults_and_checks():
     assert compose_resolve(TINY, *ep).maxtext["ici_expert_parallelism"] == 2
     assert "use_ring_of_experts: is true, but moe.impl: ours does its own expert-parallel dispatch" in \
         error_of(TINY, *ep, "use_ring_of_experts=true")
+    two = "deepseek3-proxy-h200-2gpu"
+    assert compose_resolve(two).maxtext["scan_layers"] is False and compose_resolve(two).moe["exchange"] == "auto"
+    assert "scan_layers: is true, but with moe.gemm: te and expert parallelism XLA's compiler crashes" in \
+        error_of(two, "scan_layers=true")
+    assert compose_resolve(two, "scan_layers=true", "moe.gemm=tokamax").maxtext["scan_layers"] is True
+    assert "moe.exchange: is ragged_all_to_all, which XLA implements on GPUs only" in \
+        error_of(TINY, *ep, "moe.exchange=ragged_all_to_all")
+    assert compose_resolve(two, "moe.exchange=ragged_all_to_all").moe["exchange"] == "ragged_all_to_all"
     assert "decoder_block: is 'llama2', but moe.impl: ours replaces the routed experts of MaxText's DeepSeek" in \
         error_of(TINY, "moe.impl=ours", "decoder_block=llama2")
     assert compose_resolve("deepseek3-proxy-h200-1gpu", "moe.impl=maxtext").moe == {"impl": "maxtext"}
