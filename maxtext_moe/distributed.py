@@ -8,7 +8,8 @@ Our recipes set `skip_jax_distributed_system: true` and this module does it inst
 
 - plain environment (highest precedence): `JAX_COORDINATOR_ADDRESS=host:port`, `JAX_NUM_PROCESSES`,
   `JAX_PROCESS_ID` (and optionally JAX's own `JAX_LOCAL_DEVICE_IDS=0,1`);
-- Kubernetes indexed Job / JobSet: `JOB_COMPLETION_INDEX` is the process id; the manifest sets
+- Kubernetes indexed Job / JobSet: `JOB_COMPLETION_INDEX` is the process id, unless the pod starts
+  several processes and gives each its `JAX_PROCESS_ID` (what `launch --k8s` renders); the manifest sets
   `JAX_COORDINATOR_ADDRESS` to pod 0 behind the headless Service
   (`<job>-0.<service>:<port>`) and `JAX_NUM_PROCESSES` (see scripts/k8s/, `maxtext-moe launch --k8s`);
 - SLURM (`srun`): `SLURM_NTASKS`, `SLURM_PROCID`, `SLURM_LOCALID`, the first host of
@@ -17,9 +18,10 @@ Our recipes set `skip_jax_distributed_system: true` and this module does it inst
 Process layout. CPU recipes: one process per `topology.nodes`, each with `topology.gpus_per_node`
 CPU devices (`--xla_force_host_platform_device_count`). GPU recipes: one process per GPU
 (`nodes x gpus_per_node` processes, local device = the local rank) is what `launch --slurm`
-renders, as JAX's SLURM detection and NVIDIA's JAX-Toolbox do, and what the single-process
-2-GPU rendezvous timeout in DESIGN.md section 4 argues for; one process per node with all its
-GPUs (what a Kubernetes pod per node runs) is accepted too. Anything else is refused.
+and `launch --k8s` render, as JAX's SLURM detection and NVIDIA's JAX-Toolbox do: on two H200s one
+process driving both GPUs hung in its first all-gather with expert parallelism 2 (MaxText's block and
+ours), where one process per GPU trains (docs/PERFORMANCE.md). One process per node with all its GPUs
+is accepted too. Anything else is refused.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import time
 
 import pytest
 import yaml
@@ -43,9 +44,13 @@ def test_slurm_job_one_task_per_gpu_matches_distributed_detection():
     distributed.check_layout(spec, resolve(RECIPE, ["topology.nodes=16"]).topology)
 
 
+def _k8s(recipe: str = RECIPE, *overrides: str) -> tuple[dict, dict]:
+    return tuple(yaml.safe_load_all(cluster.render(resolve(recipe, ["topology.nodes=16", *overrides]), "k8s",
+                                                   image="reg/mtm:1")))
+
+
 def test_k8s_indexed_job_and_headless_service_agree():
-    docs = list(yaml.safe_load_all(cluster.render(resolve(RECIPE, ["topology.nodes=16"]), "k8s", image="reg/mtm:1")))
-    service, job = docs
+    service, job = _k8s()
     assert service["kind"] == "Service" and service["spec"]["clusterIP"] == "None"
     spec = job["spec"]
     assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == 16
@@ -53,17 +58,77 @@ def test_k8s_indexed_job_and_headless_service_agree():
     assert pod["subdomain"] == service["metadata"]["name"] == job["metadata"]["name"]
     assert service["spec"]["selector"] == {"job-name": job["metadata"]["name"]}
     container = pod["containers"][0]
-    assert container["image"] == "reg/mtm:1"
-    assert container["args"][:3] == ["train", RECIPE, "topology.nodes=16"]
+    assert container["image"] == "reg/mtm:1" and container["command"] == ["/bin/bash", "-c"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
     env = {e["name"]: e["value"] for e in container["env"]}
     name, port = job["metadata"]["name"], service["spec"]["ports"][0]["port"]
-    assert env["JAX_COORDINATOR_ADDRESS"] == f"{name}-0.{name}:{port}"
-    # Pod 3 of the indexed Job, with the manifest's env: one process per node, all its GPUs.
-    detected = distributed.detect(env | {"JOB_COMPLETION_INDEX": "3"})
-    assert (detected.source, detected.num_processes, detected.process_id, detected.local_device_ids) == (
-        "kubernetes", 16, 3, None)
+    assert env["JAX_COORDINATOR_ADDRESS"] == f"{name}-0.{name}:{port}" and env["JAX_NUM_PROCESSES"] == "128"
+    # Process 1 of pod 3, as the pod script starts it: one process per GPU.
+    detected = distributed.detect(env | {"JOB_COMPLETION_INDEX": "3", "JAX_PROCESS_ID": "25", "JAX_LOCAL_DEVICE_IDS": "1"})
+    assert (detected.num_processes, detected.process_id, detected.local_device_ids) == (128, 25, (1,))
     distributed.check_layout(detected, resolve(RECIPE, ["topology.nodes=16"]).topology)
+
+
+STAND_IN = """#!/bin/bash
+echo "$JAX_PROCESS_ID ${JAX_LOCAL_DEVICE_IDS-none} $*" > "$OUT/$JAX_PROCESS_ID"
+if [ -n "${TERM_TEST:-}" ]; then trap 'echo term > "$OUT/term-$JAX_PROCESS_ID"; exit 0' TERM; sleep 60 & wait; exit 1; fi
+[ "$JAX_PROCESS_ID" = "${FAIL_ID:-}" ] && exit 3
+[ -n "${FAIL_ID:-}" ] && exec sleep 60
+exit 0
+"""
+
+
+def _pod(tmp_path, job: dict, index: int, **env: str) -> subprocess.Popen:
+    """The pod's script under bash, `maxtext-moe` replaced by a stand-in that records what it was given."""
+    bin_dir, out = tmp_path / "bin", tmp_path / "out"
+    bin_dir.mkdir(exist_ok=True)
+    out.mkdir(exist_ok=True)
+    (bin_dir / "maxtext-moe").write_text(STAND_IN)
+    (bin_dir / "maxtext-moe").chmod(0o755)
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    return subprocess.Popen([*container["command"], container["args"][0]], text=True,
+                            env={"PATH": f"{bin_dir}:/usr/bin:/bin", "OUT": str(out), "JOB_COMPLETION_INDEX": str(index),
+                                 **env})
+
+
+def _run_pod(tmp_path, job: dict, index: int, **env: str) -> subprocess.CompletedProcess:
+    proc = _pod(tmp_path, job, index, **env)
+    return subprocess.CompletedProcess(proc.args, proc.wait(timeout=30))
+
+
+def test_k8s_pod_starts_one_process_per_gpu(tmp_path):
+    r = _run_pod(tmp_path, _k8s()[1], 3)
+    assert r.returncode == 0, r.stderr
+    seen = sorted((tmp_path / "out" / str(i)).read_text().split(maxsplit=2) for i in range(24, 32))
+    assert [(p, d) for p, d, _ in seen] == [(str(24 + j), str(j)) for j in range(8)]
+    assert {a.strip() for _, _, a in seen} == {f"train {RECIPE} topology.nodes=16 base_output_directory=/runs"}
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [str(i) for i in range(24, 32)]
+
+
+def test_k8s_pod_stops_the_others_when_one_process_fails(tmp_path):
+    start = time.monotonic()
+    r = _run_pod(tmp_path, _k8s()[1], 0, FAIL_ID="5")
+    assert r.returncode == 3 and time.monotonic() - start < 20  # the others sleep 60 s unless killed
+
+
+def test_k8s_pod_passes_sigterm_to_every_process(tmp_path):
+    """Pod deletion or preemption: every process gets the SIGTERM (ours then checkpoint and stop)."""
+    proc = _pod(tmp_path, _k8s()[1], 1, TERM_TEST="1")
+    deadline = time.monotonic() + 20
+    while len(list((tmp_path / "out").glob("[0-9]*"))) < 8 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)  # the stand-ins' traps are set before they write their file; give the last one a moment
+    proc.terminate()
+    assert proc.wait(timeout=20) == 0
+    assert sorted(p.name for p in (tmp_path / "out").glob("term-*")) == sorted(f"term-{i}" for i in range(8, 16))
+
+
+def test_k8s_cpu_recipe_runs_one_process_per_pod(tmp_path):
+    _, job = _k8s("deepseek3-tiny-cpu", "ici_fsdp_parallelism=-1")
+    env = {e["name"]: e["value"] for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["JAX_NUM_PROCESSES"] == "16"
+    assert _run_pod(tmp_path, job, 2).returncode == 0
+    assert (tmp_path / "out" / "2").read_text().split()[:2] == ["2", "none"]  # every CPU device: no device ids
 
 
 def test_cpu_recipe_renders_one_process_per_node_without_gpus():
