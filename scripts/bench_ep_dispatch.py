@@ -6,9 +6,10 @@ on two GPUs, where the exchange is the real `jax.lax.ragged_all_to_all` over NVL
 forward + backward on DeepSeek-V3 widths with the tokens and experts split over all devices, once sending
 a row per (token, chosen expert) as MaxText does ("no dedup") and once per (token, destination rank)
 ("dedup"). For each it reports the median step, the rows and KiB per token that cross ranks (counted
-from the routing the run itself chose, by the plan the layer uses) and the relative difference to the
-same layer on one device (float32 outputs and input gradient). `--impl emulated` runs the same program
-on CPU devices (XLA:CPU has no ragged_all_to_all): that is how the tests exercise this script.
+from the routing the run itself chose, by the plan the layer uses), the rows the exchange puts on the wire
+per token (`--impl all_to_all`, the default: (R - 1) blocks of padded rows per rank, so dedup also
+shrinks the padding), and the relative difference to the same layer on one device (float32 outputs and
+input gradient). "all_to_all" and "emulated" run on CPU devices too: that is how the tests exercise it.
 
     python scripts/bench_ep_dispatch.py --tokens-per-device 8192 --experts 64 --backend te --out ep.json
 """
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--groups", type=int, nargs=2, default=[8, 4], metavar=("N_GROUPS", "TOPK_GROUPS"))
     ap.add_argument("--backend", default="te", choices=list(BACKENDS))
-    ap.add_argument("--impl", default="ragged_all_to_all", choices=["ragged_all_to_all", "emulated"])
+    ap.add_argument("--impl", default="all_to_all", choices=list(dispatch.IMPLS))
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
@@ -87,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         run: dict[str, Any] = {"dedup": dedup, "ranks": ranks, "tokens_per_device": a.tokens_per_device,
                                "rows_per_token_sent": sent / (a.emb * dtype.itemsize),
                                "kib_per_token_sent": sent / 1024,
+                               "wire_rows_per_token": (ranks - 1) * dispatch.peer_rows(
+                                   a.tokens_per_device, a.top_k, dispatch.local_experts(a.experts, ranks), dedup)
+                               / a.tokens_per_device if a.impl == "all_to_all" else None,
                                "rel_err_y_vs_one_device": rel(y, y_one), "rel_err_dx_vs_one_device": rel(dx, dx_one),
                                "finite": bool(jnp.isfinite(y.astype(jnp.float32)).all()
                                               & jnp.isfinite(dx.astype(jnp.float32)).all())}
@@ -102,10 +106,11 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\nEP{ranks}, {a.experts} experts, {a.tokens_per_device} tokens/device, {a.backend}, {a.impl}")
     print(f"{'dispatch':9} {'median ms':>10} {'TFLOP/s/dev':>11} {'rows/token':>10} {'KiB/token':>9} "
-          f"{'rel y':>9} {'rel dx':>9}")
+          f"{'wire rows':>9} {'rel y':>9} {'rel dx':>9}")
     for r in result["runs"]:
+        wire = "-" if r["wire_rows_per_token"] is None else f"{r['wire_rows_per_token']:.2f}"
         print(f"{'dedup' if r['dedup'] else 'no dedup':9} {r['median_ms']:>10.2f} {r['tflops_per_device']:>11.1f} "
-              f"{r['rows_per_token_sent']:>10.2f} {r['kib_per_token_sent']:>9.1f} "
+              f"{r['rows_per_token_sent']:>10.2f} {r['kib_per_token_sent']:>9.1f} {wire:>9} "
               f"{r['rel_err_y_vs_one_device']:>9.2e} {r['rel_err_dx_vs_one_device']:>9.2e}")
     print(f"dedup: {result['dedup_bytes_factor']:.2f}x fewer bytes, {result['dedup_speedup']:.2f}x step time")
     return 0

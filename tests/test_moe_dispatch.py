@@ -298,14 +298,15 @@ def test_dense_all_to_all_exchange_equals_the_emulation_on_four_cpu_devices() ->
 
 
 def test_ep_dispatch_benchmark_script_on_two_cpu_devices(tmp_path) -> None:
-    """scripts/bench_ep_dispatch.py end to end on 2 CPU devices (emulated exchange): both dispatch modes
-    compute the single-device layer, and dedup sends fewer rows per token than one per chosen expert."""
+    """scripts/bench_ep_dispatch.py end to end on 2 CPU devices (the dense all-to-all, a real collective
+    there): both dispatch modes compute the single-device layer, and dedup sends fewer rows per token than
+    one per chosen expert, padding on the wire included."""
     script = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_ep_dispatch.py")
     out = tmp_path / "ep.json"
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, script, "--tokens-per-device", "64", "--experts", "16", "--emb", "64",
                            "--mlp", "32", "--top-k", "4", "--groups", "4", "2", "--backend", "ragged_dot",
-                           "--impl", "emulated", "--dtype", "float32", "--iters", "2", "--warmup", "1",
+                           "--impl", "all_to_all", "--dtype", "float32", "--iters", "2", "--warmup", "1",
                            "--out", str(out)], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -314,6 +315,8 @@ def test_ep_dispatch_benchmark_script_on_two_cpu_devices(tmp_path) -> None:
         assert run["finite"] and run["rel_err_y_vs_one_device"] < 1e-5 and run["rel_err_dx_vs_one_device"] < 1e-5
     # Half the experts live on the other rank: about top_k / 2 rows per token without dedup, at most one with.
     assert 1.0 < plain["rows_per_token_sent"] <= 4.0 and 0.5 < dedup["rows_per_token_sent"] <= 1.0
+    # On the wire, one block per peer: 64 rows with dedup, 64 x min(top-k 4, 8 local experts) without.
+    assert (plain["wire_rows_per_token"], dedup["wire_rows_per_token"]) == (4.0, 1.0)
     assert result["dedup_bytes_factor"] == pytest.approx(plain["kib_per_token_sent"] / dedup["kib_per_token_sent"])
     assert "dedup:" in proc.stdout and "fewer bytes" in proc.stdout
 

@@ -103,6 +103,12 @@ def _check_dropless(total: jax.Array, expected: int, where: str) -> None:
         _raise_if_lost(np.asarray(total), expected, where)
 
 
+def peer_rows(tokens: int, top_k: int, num_local: int, dedup: bool) -> int:
+    """Most rows one source sends one destination: a row per token with dedup, else one per (token, local
+    expert). The worst-case receive buffer holds R of these; the "all_to_all" exchange sends R blocks of them."""
+    return tokens if dedup else tokens * min(top_k, num_local)
+
+
 def plan_dispatch(expert_ids: jax.Array, weights: jax.Array, num_experts: int, ranks: int, *,
                   dedup: bool = True, check: bool = True) -> DispatchPlan:
     """Plan one source rank's sends from its routing (`expert_ids`, `weights`: [T, k]).
@@ -117,7 +123,7 @@ def plan_dispatch(expert_ids: jax.Array, weights: jax.Array, num_experts: int, r
         copies = plan_dispatch(expert_ids.reshape(tokens * k, 1), weights.reshape(tokens * k, 1), num_experts,
                                ranks, dedup=True, check=check)
         return dataclasses.replace(copies, row_token=copies.row_token // k, top_k=k,
-                                   peer_rows=tokens * min(k, num_local))
+                                   peer_rows=peer_rows(tokens, k, num_local, dedup=False))
     slots = min(k, num_local)
     hit = expert_ids[:, None, :] // num_local == jnp.arange(ranks)[None, :, None]  # [T, R, k]
     # For each (token, rank), the positions j of the token's experts on that rank, first S of them.
@@ -140,7 +146,7 @@ def plan_dispatch(expert_ids: jax.Array, weights: jax.Array, num_experts: int, r
         row_token=jnp.where(real, order % tokens, 0).astype(jnp.int32),
         row_experts=jnp.where(real[:, None], by_rank(experts), -1).astype(jnp.int32),
         row_weights=jnp.where(real[:, None], by_rank(wts), 0),
-        top_k=k, peer_rows=tokens)
+        top_k=k, peer_rows=peer_rows(tokens, k, num_local, dedup=True))
     if check:
         _check_dropless(jnp.sum(plan.row_experts >= 0), tokens * k, "the dispatch plan")
     return plan
