@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import contextlib
 import re
+from math import comb
 
 import pytest
 
@@ -66,15 +67,27 @@ def test_memory_falls_with_more_gpus_and_dedup_cuts_all_to_all() -> None:
 
 
 def test_ep_time_counts_the_bytes_the_recipes_block_sends() -> None:
-    """Our block sends a token once per destination rank, MaxText's once per chosen expert: the step's EP
-    collective carries the volume of the block the recipe runs, and ours is the shorter."""
-    def ep(overrides: list[str]):
-        p = estimate(cli.resolve("deepseek3-proxy-h200-2gpu", overrides))
+    """Our block sends a token once per destination rank (in a block of T rows per peer over the default
+    exchange), MaxText's once per chosen expert: the step's EP collective carries the volume of the block
+    and exchange the recipe runs."""
+    def ep(recipe: str, overrides: list[str]):
+        p = estimate(cli.resolve(recipe, overrides))
         return next(c for c in p.collectives if c.name.startswith("EP all-to-all")), p.a2a
-    ours, a2a = ep([])
-    upstream, _ = ep(["moe.impl=maxtext"])
-    assert ours.bytes == a2a["per_rank_dedup"] and upstream.bytes == a2a["per_expert"]
-    assert ours.bytes < upstream.bytes and "once per rank" in ours.name
+    two = "deepseek3-proxy-h200-2gpu"
+    ours, a2a = ep(two, [])
+    ragged, _ = ep(two, ["moe.exchange=ragged_all_to_all"])
+    upstream, _ = ep(two, ["moe.impl=maxtext"])
+    assert (ours.bytes, ragged.bytes, upstream.bytes) == (a2a["dense_blocks"], a2a["per_rank_dedup"], a2a["per_expert"])
+    assert "a block of T rows per peer" in ours.name and "once per rank" in ragged.name
+    # EP2: one row per token on the wire, about as many as the routing needs (a token reaches both ranks),
+    # a quarter of once per expert (4 of a token's 8 copies cross on average).
+    assert a2a["dense_blocks"] == pytest.approx(a2a["per_expert"] / 4)
+    assert a2a["per_rank_dedup"] <= a2a["dense_blocks"] < 1.01 * a2a["per_rank_dedup"]
+    # EP8: a token reaches about 5.3 of 8 ranks (4.6 rows cross), the blocks send 7 rows: as many as
+    # once per expert (8 copies, 7 of 8 crossing).
+    eight = estimate(cli.resolve("deepseek3-671b-h200-128", ["moe.impl=ours", "moe.gemm=tokamax", "te_moe_block=false"])).a2a
+    assert eight["dense_blocks"] == pytest.approx(eight["per_expert"])
+    assert eight["dense_blocks"] == pytest.approx(7 / (8 * (1 - comb(224, 8) / comb(256, 8)) * 7 / 8) * eight["per_rank_dedup"])
 
 
 def test_bad_planner_inputs_name_the_fix() -> None:

@@ -197,8 +197,10 @@ def _dense_ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offset
     a step, and its decomposer (`xla_gpu_unsupported_enable_ragged_all_to_all_decomposer`) trains but sends
     R blocks of the whole operand to every peer. The plain all-to-all is NCCL's own collective, and XLA:CPU
     implements it too, so this path runs in the CPU tests as it does on GPUs. With dedup a destination
-    gets at most T rows from a source, so `block` = T; at EP2 nearly every token goes to the other rank,
-    so the padding costs little there (see docs/PERFORMANCE.md for EP8)."""
+    gets at most T rows from a source, so `block` = T: EP - 1 rows per token on the wire. At EP2 a token
+    nearly always needs the other rank, so that is what dedup sends anyway; at EP8 it is as much as
+    MaxText's once-per-expert volume (a token reaches about 5.3 of 8 ranks; docs/PLAN.md), so there the
+    saving stays in the plan until blocks are sized from the routing or the ragged exchange runs."""
     ranks, j = input_offsets.shape[0], jnp.arange(block)
     src = jnp.clip(input_offsets[:, None] + j, 0, operand.shape[0] - 1)  # [R, block] rows for destination d
     mask = (j < send_sizes[:, None]).reshape(ranks, block, *([1] * (operand.ndim - 1)))

@@ -19,8 +19,9 @@ Expert parallelism: when MaxText's mesh has an `expert` axis of size > 1, the ro
 `dispatch.ep_routed_sharded` under `shard_map` over MaxText's own mesh, sharded as MaxText's
 `sparse_matmul` shards them: tokens by the logical axes (`activation_batch`, or `decode_batch_moe` for a
 batch of 1, and `activation_norm_length`), experts by their first dimension over `expert`. The exchange is
-`moe.exchange` (`exchange_impl`): by default XLA's dense all-to-all, on CPUs and GPUs alike. The receive buffers follow MaxText's `ragged_buffer_factor` (-1: dropless worst case;
-> 0: that many times the balanced rows, and a step that would need more stops with an error, see dispatch.py).
+`moe.exchange` (`exchange_impl`): by default XLA's dense all-to-all, on CPUs and GPUs alike. The receive
+buffers follow MaxText's `ragged_buffer_factor` (-1: dropless worst case; > 0: that many times the balanced
+rows, and a step that would need more stops with an error, see dispatch.py).
 
 We rebind the DeepSeek layer rather than `moe.RoutedAndSharedMoE` or `moe.RoutedMoE` because those are
 shared by other models and by `maxtext_block.py`, our yardstick, which must stay MaxText's block.

@@ -3,7 +3,9 @@
 MaxText's XLA path sends a routed token once per chosen expert (DESIGN.md: no per-rank dedup), so
 the EP all-to-all volume grows with top-k; with per-rank dedup (our block, `moe.impl: ours`) it grows
 with the number of distinct ranks a token reaches, which group-limited routing caps. Upstream reports
-neither; both are here, and the step time uses the one the recipe's block sends.
+neither; both are here. Over XLA's plain all-to-all (our default `moe.exchange`) the wire carries a
+block of T rows to every peer whatever the routing needs: EP - 1 rows per token, the third figure. The
+step time uses what the recipe's block and exchange send.
 Which link a collective uses follows MaxText's mesh order (expert innermost, then tensor, fsdp,
 stage, data): an axis whose group spans more GPUs than one NVLink domain runs at network speed.
 """
@@ -50,7 +52,8 @@ def _link(lay: Layout, stride: int, size: int) -> float:
 
 
 def per_step(m: Model, lay: Layout, groups: int = 0, topk_groups: int = 0) -> tuple[list[Collective], dict[str, float]]:
-    """Collectives of one step per GPU, plus the EP all-to-all volume with and without per-rank dedup."""
+    """Collectives of one step per GPU, plus the EP all-to-all volume: once per expert, once per rank, and
+    in dense blocks (see the module docstring)."""
     wb = lay.weight_bytes
     # Strides in MaxText's mesh order (innermost first: expert, tensor, fsdp, stage, data).
     s_ep, s_tp = 1, lay.ep
@@ -72,7 +75,7 @@ def per_step(m: Model, lay: Layout, groups: int = 0, topk_groups: int = 0) -> tu
         shard = (m.total_params / (lay.fsdp * lay.ep * lay.tp * lay.pp)) * wb
         out.append(Collective("DP all-reduce (grads)", 2 * shard * (lay.dp - 1) / lay.dp, _link(lay, s_dp, lay.dp),
                               lay.latency_hiding))
-    a2a = {"per_expert": 0.0, "per_rank_dedup": 0.0}
+    a2a = {"per_expert": 0.0, "per_rank_dedup": 0.0, "dense_blocks": 0.0}
     if lay.ep > 1:
         moe_layers = (m.moe_layers + m.mtp_layers) / lay.pp
         # dispatch + combine in the forward, again when the layer is recomputed, and their transposes.
@@ -81,8 +84,13 @@ def per_step(m: Model, lay: Layout, groups: int = 0, topk_groups: int = 0) -> tu
         per_token = moe_layers * passes * m.emb * lay.act_bytes * remote * lay.pp
         a2a["per_expert"] = lay.tokens * per_token * m.topk
         a2a["per_rank_dedup"] = lay.tokens * per_token * ranks_per_token(m, lay, groups, topk_groups)
-        name, sent = (("EP all-to-all (dispatch + combine, once per rank)", a2a["per_rank_dedup"]) if lay.dedup_dispatch
-                      else ("EP all-to-all (dispatch + combine)", a2a["per_expert"]))
+        a2a["dense_blocks"] = lay.tokens * per_token * lay.ep  # (EP - 1) rows per token
+        if lay.dense_exchange:
+            name, sent = "EP all-to-all (dispatch + combine, a block of T rows per peer)", a2a["dense_blocks"]
+        elif lay.dedup_dispatch:
+            name, sent = "EP all-to-all (dispatch + combine, once per rank)", a2a["per_rank_dedup"]
+        else:
+            name, sent = "EP all-to-all (dispatch + combine)", a2a["per_expert"]
         out.append(Collective(name, sent, _link(lay, s_ep, lay.ep), False))
     if lay.tp > 1:
         layers = (m.layers + m.mtp_layers) / lay.pp

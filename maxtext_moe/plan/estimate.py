@@ -89,7 +89,8 @@ class Plan:
                          f"{' (overlapped)' if c.overlapped else ''}")
         if self.a2a["per_expert"]:
             lines.append(f"    EP all-to-all once per expert {self.a2a['per_expert'] / GIB:.1f} GiB; "
-                         f"with per-rank dedup {self.a2a['per_rank_dedup'] / GIB:.1f} GiB")
+                         f"with per-rank dedup {self.a2a['per_rank_dedup'] / GIB:.1f} GiB; "
+                         f"in dense blocks {self.a2a['dense_blocks'] / GIB:.1f} GiB")
         peak = "FP8" if lay.dense_fp8 or lay.expert_fp8 else "BF16"
         lines.append(f"  step: compute {self.compute_s:.2f} s (recompute +{self.recompute_fraction:.0%}, "
                      f"bubble {self.bubble:.0%}, {lay.moe_path} grouped GEMM {'FP8' if lay.expert_fp8 else 'BF16'}, "

@@ -65,6 +65,7 @@ class Layout:
     offload_optimizer: bool
     offload_params: bool
     dedup_dispatch: bool  # EP sends a token once per destination rank (our block), not once per expert
+    dense_exchange: bool  # ours over XLA's plain all-to-all: one block of T rows to every peer (moe.exchange auto)
 
     @property
     def tokens(self) -> float:
@@ -178,4 +179,5 @@ def from_recipe(r: ResolvedRecipe, gpus: int | None = None, gpu_type: str | None
         offload_optimizer=bool(r.effective("optimizer_memory_host_offload")),
         offload_params=bool(r.effective("parameter_memory_host_offload")),
         dedup_dispatch=r.moe["impl"] == "ours",
+        dense_exchange=r.moe["impl"] == "ours" and r.moe.get("exchange", "auto") != "ragged_all_to_all",
     )
