@@ -83,6 +83,8 @@ class BenchResult:
             total, traced = self.profile["total_ms"], len(PROFILED_STEPS)
             rows += [(f"  {name}", f"{ms / traced:.1f} ms/step ({ms / total:.1%} of kernel time)")
                      for name, ms in self.profile["categories"]]
+            rows += [(f"  busy {p['plane']}", f"{p['busy_ms'] / p['span_ms']:.0%} of the traced span")
+                     for p in self.profile.get("per_plane", []) if p["span_ms"]]
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
 

@@ -48,6 +48,18 @@ def category(kernel: str, hlo_op: str) -> str:
     return next((name for name, keys in CATEGORIES if any(k in text for k in keys)), "other (fusions, sort, ...)")
 
 
+def busy_ns(intervals: list[tuple[int, int]]) -> int:
+    """Time covered by at least one of the (start, end) intervals: kernels on several streams overlap, so
+    their summed durations can exceed the time the device had work."""
+    covered, reach = 0, None
+    for start, end in sorted(intervals):
+        if reach is None or start > reach:
+            covered, reach = covered + end - start, end
+        elif end > reach:
+            covered, reach = covered + end - reach, end
+    return covered
+
+
 def summarize(trace: Path, top: int) -> dict[str, Any]:
     from jax.profiler import ProfileData
 
@@ -60,7 +72,9 @@ def summarize(trace: Path, top: int) -> dict[str, Any]:
     by_op: collections.Counter[str] = collections.Counter()
     by_cat: collections.Counter[str] = collections.Counter()
     first, last = float("inf"), 0.0
+    per_plane = []
     for plane in planes:
+        spans = []
         for line in plane.lines:
             for ev in line.events:
                 stats = dict(ev.stats)
@@ -71,18 +85,26 @@ def summarize(trace: Path, top: int) -> dict[str, Any]:
                 by_kernel[ev.name] += ms
                 by_op[op or "(no hlo_op)"] += ms
                 by_cat[category(ev.name, op)] += ms
-                first, last = min(first, ev.start_ns), max(last, ev.start_ns + ev.duration_ns)
+                spans.append((ev.start_ns, ev.start_ns + ev.duration_ns))
+        if spans:
+            first, last = min(first, min(s for s, _ in spans)), max(last, max(e for _, e in spans))
+            span = max(e for _, e in spans) - min(s for s, _ in spans)
+            per_plane.append({"plane": plane.name, "kernel_ms": sum(e - s for s, e in spans) / 1e6,
+                              "busy_ms": busy_ns(spans) / 1e6, "span_ms": span / 1e6})
     total = sum(by_cat.values())
     if not total:
         raise UserError(f"the profile {trace} holds no device events.", fix="profile again with more steps.")
     return {"trace": str(trace), "source": source, "planes": [p.name for p in planes], "total_ms": total,
-            "wall_span_ms": (last - first) / 1e6,
+            "wall_span_ms": (last - first) / 1e6, "per_plane": per_plane,
             "categories": by_cat.most_common(), "kernels": by_kernel.most_common(top), "hlo_ops": by_op.most_common(top)}
 
 
 def render(s: dict[str, Any]) -> str:
     lines = [f"{s['source']} in {s['trace']}", f"summed {s['total_ms']:.1f} ms over a wall span of "
-             f"{s['wall_span_ms']:.1f} ms ({', '.join(s['planes'])})", ""]
+             f"{s['wall_span_ms']:.1f} ms ({', '.join(s['planes'])})"]
+    lines += [f"  {p['plane']}: busy {p['busy_ms']:.1f} of {p['span_ms']:.1f} ms ({p['busy_ms'] / p['span_ms']:.0%}), "
+              f"kernels summed {p['kernel_ms']:.1f} ms" for p in s["per_plane"] if p["span_ms"]]
+    lines.append("")
     for title, rows in (("category", s["categories"]), ("kernel", s["kernels"]), ("HLO op", s["hlo_ops"])):
         lines.append(f"{'ms':>10} {'share':>6}  {title}")
         lines += [f"{ms:>10.2f} {ms / s['total_ms']:>6.1%}  {name[:110]}" for name, ms in rows]

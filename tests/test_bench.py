@@ -40,16 +40,26 @@ def test_bench_reports_the_timed_steps(tmp_path):
     categories = dict(prof["categories"])
     assert categories["GEMM (cuBLAS/XLA dot)"] > 0 and sum(categories.values()) == pytest.approx(prof["total_ms"])
     assert "profile (warm-up)" in r.stdout and "ms/step" in r.stdout
+    assert "  busy /host:CPU" in r.stdout
+    for plane in prof["per_plane"]:
+        assert 0 < plane["busy_ms"] <= min(plane["kernel_ms"], plane["span_ms"]) + 1e-6
 
     summary = tmp_path / "profile.json"
     p = subprocess.run([sys.executable, "-m", "maxtext_moe.profile_summary", str(run), "--top", "5",
                         "--out", str(summary)], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
     assert json.loads(summary.read_text())["categories"] == prof["categories"]
-    assert "category" in p.stdout and "HLO op" in p.stdout
+    assert "category" in p.stdout and "HLO op" in p.stdout and "busy" in p.stdout
 
 
 def test_profile_needs_the_warm_up_steps_it_traces(tmp_path):
     r = run_cli("bench", "deepseek3-tiny-cpu", "--warmup", "2", "--profile", f"base_output_directory={tmp_path}")
     assert r.returncode != 0
     assert "--profile traces warm-up steps 1-2, so it needs 3 or more warm-up steps, got 2" in r.stderr
+
+
+def test_busy_time_counts_overlapping_kernels_once():
+    from maxtext_moe.profile_summary import busy_ns
+
+    assert busy_ns([(0, 10), (5, 15), (20, 30), (21, 22)]) == 25
+    assert busy_ns([(20, 30), (0, 10)]) == 20 and busy_ns([]) == 0
