@@ -15,7 +15,7 @@ if [ "${DISPATCH_TESTS:-1}" != 0 ]; then
     > "$W/dispatch_gpu.log" 2>&1
   echo "dispatch GPU tests rc=$?"; grep "JAX's transpose" "$W/dispatch_gpu.log"; tail -3 "$W/dispatch_gpu.log"; pack
 fi
-for backend in ${EP_BENCH_BACKENDS:-tokamax te}; do
+for backend in ${EP_BENCH_BACKENDS:-te}; do
   timeout -k 10 120 python3 scripts/bench_ep_dispatch.py --tokens-per-device 8192 --experts 64 --backend "$backend" \
     --out "$W/ep_dispatch_$backend.json" > "$W/ep_dispatch_$backend.log" 2>&1
   echo "EP dispatch bench ($backend) rc=$?"; grep -v "Warning\|^ *$" "$W/ep_dispatch_$backend.log" | tail -6; pack
@@ -39,10 +39,11 @@ bench() {  # name, processes (1: one process sees both GPUs; 2: one per GPU), re
   pack  # after every run: a call stopped at its time limit still brings back what finished
 }
 if [ $# -eq 0 ]; then
-  # What is left to learn about EP2 (docs/PERFORMANCE.md): one process, then XLA's other ragged all-to-all.
-  set -- "ep2_ours_tokamax_1proc 1 deepseek3-proxy-h200-2gpu moe.gemm=tokamax" \
-         "ep2_ours_tokamax_no1shot 2 deepseek3-proxy-h200-2gpu moe.gemm=tokamax xla_flags.xla_gpu_unsupported_use_ragged_all_to_all_one_shot_kernel=false" \
-         "ep2_ours_tokamax_decomposed 2 deepseek3-proxy-h200-2gpu moe.gemm=tokamax xla_flags.xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true"
+  # What is left to learn at EP2 (docs/PERFORMANCE.md): the best layout against upstream in one call, and
+  # where the idle time goes (per-GPU busy time of a profile).
+  set -- "ep2_ours_te_batch4 2 deepseek3-proxy-h200-2gpu per_device_batch_size=4" \
+         "ep2_maxtext_batch4 2 deepseek3-proxy-h200-2gpu per_device_batch_size=4 moe.impl=maxtext" \
+         "ep2_ours_te_profile 2 deepseek3-proxy-h200-2gpu per_device_batch_size=4 --profile"
 fi
 for spec in "$@"; do
   # shellcheck disable=SC2086  # a spec is a name, a process count, a recipe, then space-separated overrides
