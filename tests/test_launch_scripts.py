@@ -70,8 +70,9 @@ def test_k8s_indexed_job_and_headless_service_agree():
 
 
 STAND_IN = """#!/bin/bash
+[ -n "${TERM_TEST:-}" ] && trap 'echo term > "$OUT/term-$JAX_PROCESS_ID"; exit 0' TERM
 echo "$JAX_PROCESS_ID ${JAX_LOCAL_DEVICE_IDS-none} $*" > "$OUT/$JAX_PROCESS_ID"
-if [ -n "${TERM_TEST:-}" ]; then trap 'echo term > "$OUT/term-$JAX_PROCESS_ID"; exit 0' TERM; sleep 60 & wait; exit 1; fi
+if [ -n "${TERM_TEST:-}" ]; then sleep 60 & wait; exit 1; fi
 [ "$JAX_PROCESS_ID" = "${FAIL_ID:-}" ] && exit 3
 [ -n "${FAIL_ID:-}" ] && exec sleep 60
 exit 0
@@ -117,7 +118,6 @@ def test_k8s_pod_passes_sigterm_to_every_process(tmp_path):
     deadline = time.monotonic() + 20
     while len(list((tmp_path / "out").glob("[0-9]*"))) < 8 and time.monotonic() < deadline:
         time.sleep(0.1)
-    time.sleep(0.5)  # the stand-ins' traps are set before they write their file; give the last one a moment
     proc.terminate()
     assert proc.wait(timeout=20) == 0
     assert sorted(p.name for p in (tmp_path / "out").glob("term-*")) == sorted(f"term-{i}" for i in range(8, 16))
