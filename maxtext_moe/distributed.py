@@ -123,6 +123,19 @@ def check_layout(spec: ProcessSpec, topology: Topology) -> None:
                         key="JAX_PROCESS_ID", source=spec.source, fix="number processes from 0.")
 
 
+def layout_warning(spec: ProcessSpec, topology: Topology, expert_parallel: bool) -> str | None:
+    """A warning when one process drives several GPUs with expert parallelism: accepted, but on two H200s
+    that layout hung in its first all-gather (MaxText's block and ours alike) where one process per GPU
+    trained, so the user should hear it before waiting on a silent job."""
+    several = spec.local_device_ids is None or len(spec.local_device_ids) > 1
+    if topology.profile.maxtext_hardware != "gpu" or not expert_parallel or topology.gpus_per_node == 1 or not (
+            several and spec.num_processes == topology.nodes):
+        return None
+    return (f"warning: one process drives {topology.gpus_per_node} GPUs with expert parallelism; on two H200s "
+            "that layout hung in its first all-gather while one process per GPU trained. Start one process "
+            "per GPU (docs/CLUSTER.md).")
+
+
 def process_env(topology: Topology, env: Mapping[str, str]) -> dict[str, str]:
     """Variables this process needs before jax starts: CPU device count per process in XLA_FLAGS."""
     if topology.profile.maxtext_hardware != "cpu" or topology.gpus_per_node == 1:

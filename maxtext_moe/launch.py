@@ -101,6 +101,9 @@ def train(resolved: ResolvedRecipe, *, force: bool = False, verbose: bool = Fals
     # guards the run folder and writes the corpus while the others wait (distributed.leader_first).
     proc = distributed.initialize(resolved.topology, timeout_s=int(resolved.effective("jax_distributed_initialization_timeout")))
     out = out if proc.is_leader else distributed.quiet
+    expert_parallel = any(resolved.effective(f"{net}_expert_parallelism") != 1 for net in ("ici", "dcn"))
+    if warning := distributed.layout_warning(proc, resolved.topology, expert_parallel):
+        out(warning)
     with distributed.leader_first(proc, "run folder"):
         found = (run_dir.prepare(rp.run, resolved.checkpoint_identity(), force=force, log=out) if proc.is_leader
                  else run_dir.scan(rp.run / "checkpoints"))

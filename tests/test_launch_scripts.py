@@ -157,3 +157,17 @@ def test_layout_mismatch_and_incomplete_env_are_user_errors():
                                            ("a-b[01-02]", "a-b01"), ("n1,n2", "n1")])
 def test_first_slurm_host(nodelist, host):
     assert distributed.first_slurm_host(nodelist) == host
+
+
+def test_one_process_for_several_gpus_with_expert_parallelism_is_warned_about():
+    """Accepted (it may work elsewhere) but said up front: on two H200s that layout hung."""
+    two = resolve("deepseek3-proxy-h200-2gpu", []).topology
+    env = {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "1", "JAX_PROCESS_ID": "0"}
+    one_for_both = distributed.detect(env)
+    per_gpu = distributed.detect(env | {"JAX_NUM_PROCESSES": "2", "JAX_LOCAL_DEVICE_IDS": "1"})
+    assert "hung in its first all-gather" in distributed.layout_warning(one_for_both, two, expert_parallel=True)
+    assert distributed.layout_warning(per_gpu, two, expert_parallel=True) is None
+    assert distributed.layout_warning(one_for_both, two, expert_parallel=False) is None
+    assert distributed.layout_warning(distributed.SINGLE, resolve("deepseek3-proxy-h200-1gpu", []).topology, True) is None
+    cpu = resolve("deepseek3-tiny-cpu", ["topology.gpus_per_node=2", "ici_expert_parallelism=-1"]).topology
+    assert distributed.layout_warning(distributed.SINGLE, cpu, expert_parallel=True) is None
