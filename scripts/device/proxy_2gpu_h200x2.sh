@@ -42,7 +42,7 @@ if [ $# -eq 0 ]; then
   # What is left to learn at EP2 (docs/PERFORMANCE.md): the best layout against upstream in one call, and
   # where the idle time goes (per-GPU busy time of a profile).
   set -- "ep2_ours_te_batch4 2 deepseek3-proxy-h200-2gpu per_device_batch_size=4" \
-         "ep2_maxtext_batch4 2 deepseek3-proxy-h200-2gpu per_device_batch_size=4 moe.impl=maxtext" \
+         "fsdp2_maxtext_batch4 2 deepseek3-proxy-h200-2gpu-fsdp per_device_batch_size=4" \
          "ep2_ours_te_profile 2 deepseek3-proxy-h200-2gpu per_device_batch_size=4 --profile"
 fi
 for spec in "$@"; do
