@@ -168,3 +168,21 @@ def test_partial_groups_give_zero_tail_rows_and_gradients(monkeypatch: pytest.Mo
     for got, want in zip(jax.grad(loss, argnums=(0, 1))(x, w, "tokamax", True),
                          jax.grad(loss, argnums=(0, 1))(x, w, "ragged_dot", False)):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_minimal_remat_recomputes_no_grouped_gemm() -> None:
+    """Under MaxText's own `remat_policy: minimal` the backward pass reruns none of the three expert GEMMs
+    (full remat reruns all three): the outputs carry the names that policy saves."""
+    from maxtext.layers import nnx_decoders
+
+    params = init_params(jax.random.key(4), CFG, jnp.float32)
+    x = jax.random.normal(jax.random.key(5), (64, CFG.emb_dim))
+    loss = lambda p, x: jnp.sum(moe_forward(p, x, CFG, "ragged_dot")[0] ** 2)  # noqa: E731
+
+    def grouped_gemms(policy: object) -> int:
+        f = loss if policy == "no remat" else jax.checkpoint(loss, policy=policy)
+        return str(jax.make_jaxpr(jax.value_and_grad(f))(params, x)).count("ragged_dot_general")
+
+    without_remat = grouped_gemms("no remat")
+    assert grouped_gemms(nnx_decoders.NNXDecoder.minimal_policy(None)) == without_remat
+    assert grouped_gemms(None) == without_remat + 3

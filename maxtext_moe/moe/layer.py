@@ -124,14 +124,16 @@ def expert_mlp(x_sorted: jax.Array, experts: Params, group_sizes: jax.Array, bac
                fp8: Fp8 = "none", *, partial: bool = False) -> jax.Array:
     """SiLU-GLU experts on rows sorted by expert: wo(silu(wi_0 x) * wi_1 x), one grouped GEMM each.
 
-    The GEMM outputs carry MaxText's remat names exactly as its `sparse_matmul` path tags them (wi_0:
-    `mlpwi_0` and `moe_mlpwi_0`; wi_1: `moe_mlpwi_1`; wo: `mlpwo` and `moe_mlpwo`), so one `remat_policy`
-    saves or offloads the same tensors with either block, on one device or under expert parallelism.
+    The GEMM outputs carry MaxText's remat names as its `sparse_matmul` path tags them (wi_0: `mlpwi_0`
+    and `moe_mlpwi_0`; wi_1: `moe_mlpwi_1`; wo: `mlpwo` and `moe_mlpwo`), so one `remat_policy` saves or
+    offloads the same tensors with either block, on one device or under expert parallelism. wi_1 also
+    carries `mlpwi_1`, which MaxText's path leaves off: without it `remat_policy: minimal` (which saves
+    `mlpwi_0`, `mlpwi_1`, `mlpwo`) recomputes the wi_1 grouped GEMM in the backward pass.
     `partial`: the groups may end before the last row (see `grouped_matmul`).
     """
     gmm = functools.partial(grouped_matmul, group_sizes=group_sizes, backend=backend, fp8=fp8, partial=partial)
     h0 = checkpoint_name(checkpoint_name(gmm(x_sorted, experts["wi_0"]), "mlpwi_0"), "moe_mlpwi_0")
-    h1 = checkpoint_name(gmm(x_sorted, experts["wi_1"]), "moe_mlpwi_1")
+    h1 = checkpoint_name(checkpoint_name(gmm(x_sorted, experts["wi_1"]), "mlpwi_1"), "moe_mlpwi_1")
     act = (jax.nn.silu(h0.astype(jnp.float32)) * h1.astype(jnp.float32)).astype(x_sorted.dtype)
     return checkpoint_name(checkpoint_name(gmm(act, experts["wo"]), "mlpwo"), "moe_mlpwo")
 
