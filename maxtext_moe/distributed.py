@@ -145,16 +145,18 @@ def process_env(topology: Topology, env: Mapping[str, str]) -> dict[str, str]:
     return {"XLA_FLAGS": " ".join(flags + [flag])}
 
 
-def initialize(topology: Topology, *, timeout_s: int = 300) -> ProcessSpec:
+def initialize(topology: Topology | None, *, timeout_s: int = 300) -> ProcessSpec:
     """Detect this process's place, set its env, and start `jax.distributed` when there are several.
 
     Must run after the recipe's env is applied and before anything touches a device (MaxText
     included): jax reads XLA_FLAGS once, and `jax.distributed.initialize` refuses to run after a
-    backend exists.
+    backend exists. `topology` None (a script without a recipe, e.g. scripts/bench_ep_dispatch.py): no
+    layout check and no CPU device count; the launcher's variables alone decide.
     """
     spec = detect()
-    check_layout(spec, topology)
-    os.environ.update(process_env(topology, os.environ))
+    if topology is not None:
+        check_layout(spec, topology)
+        os.environ.update(process_env(topology, os.environ))
     import jax
 
     if jax.distributed.is_initialized():  # a second run in the same process (tests, notebooks)
@@ -162,14 +164,15 @@ def initialize(topology: Topology, *, timeout_s: int = 300) -> ProcessSpec:
     # A single process starts a one-process runtime on a free loopback port too: only then does JAX's
     # preemption notifier catch SIGTERM, which MaxText's `enable_autocheckpoint` turns into a checkpoint
     # at the next step and a clean stop (a scheduler's time limit or preemption loses nothing).
-    coordinator = spec.coordinator or f"127.0.0.1:{_free_port()}"
+    coordinator = spec.coordinator or f"127.0.0.1:{free_port()}"
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=spec.num_processes,
                                process_id=spec.process_id, initialization_timeout=timeout_s,
                                local_device_ids=list(spec.local_device_ids) if spec.local_device_ids else None)
     return spec
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback port nobody listens on now, for a coordinator on this machine (tests use it too)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -1,4 +1,4 @@
-"""Expert-parallel MoE layer over every device of this process: the exchange with and without dedup, timed.
+"""Expert-parallel MoE layer over every device of the job: the exchange with and without dedup, timed.
 
 Issue 5 asks for the bytes a token sends in the EP dispatch with and without per-destination-rank dedup,
 on two GPUs, where the exchange is the real `jax.lax.ragged_all_to_all` over NVLink. This script runs
@@ -10,6 +10,10 @@ from the routing the run itself chose, by the plan the layer uses), the rows the
 per token (`--impl all_to_all`, the default: (R - 1) blocks of padded rows per rank, so dedup also
 shrinks the padding), and the relative difference to the same layer on one device (float32 outputs and
 input gradient). "all_to_all" and "emulated" run on CPU devices too: that is how the tests exercise it.
+
+One process may drive every device, or one process each (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
+JAX_PROCESS_ID, JAX_LOCAL_DEVICE_IDS as `maxtext-moe train` reads them): on two H200s one process for both
+GPUs waited forever in the first all-to-all, as the proxy did. Process 0 prints and writes `--out`.
 
     python scripts/bench_ep_dispatch.py --tokens-per-device 8192 --experts 64 --backend te --out ep.json
 """
@@ -25,22 +29,35 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, Sharding
 from jax.sharding import PartitionSpec as P
 
 from bench_moe_layer import grad_fn, layer_flops, rel, time_fn
+from maxtext_moe import distributed
 from maxtext_moe.moe import dispatch
 from maxtext_moe.moe.gemm import BACKENDS
 from maxtext_moe.moe.layer import MoEConfig, init_params, moe_forward
 from maxtext_moe.moe.routing import RoutingConfig
+
+def put(x: jax.Array, sharding: Sharding) -> jax.Array:
+    """`x` (the same on every process) as one array over the job's devices; `device_put` would need every
+    device to be this process's."""
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
 
 def shard_params(params: Any, mesh: Mesh) -> Any:
     """Experts split over the expert axis on their first dimension, everything else replicated."""
     def place(path: tuple, leaf: jax.Array) -> jax.Array:
         name = jax.tree_util.keystr(path)
         split = "MoeBlock_0" in name and "gate" not in name
-        return jax.device_put(leaf, NamedSharding(mesh, P(dispatch.EP_AXIS) if split else P()))
+        return put(leaf, NamedSharding(mesh, P(dispatch.EP_AXIS) if split else P()))
     return jax.tree_util.tree_map_with_path(place, params)
+
+
+def whole(x: jax.Array) -> jax.Array:
+    """Every process's shards of `x` gathered, so each process holds all of it."""
+    return jnp.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
 
+    leader = distributed.initialize(None).is_leader
     devices = jax.devices()
     ranks = len(devices)
     if ranks < 2:
@@ -74,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
     (_, dx_one), y_one = grad_fn(lambda p, x: moe_forward(p, x, cfg, a.backend)[0], cot)(params, x)
     sharded_params = shard_params(params, mesh)
-    x_sharded = jax.device_put(x, NamedSharding(mesh, P(dispatch.EP_AXIS)))
+    x_sharded = put(x, NamedSharding(mesh, P(dispatch.EP_AXIS)))
     flops = layer_flops(cfg, a.tokens_per_device)
     result: dict[str, Any] = {"devices": [d.device_kind for d in devices], "jax": jax.__version__,
                               "config": vars(a), "check_dropless": False, "runs": []}
@@ -83,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                                     backend=a.backend, impl=a.impl)
         step = grad_fn(lambda p, x: forward(p, x)[0], cot)
         (_, dx), y = step(sharded_params, x_sharded)
-        ids = jax.jit(lambda p, x: forward(p, x)[1].indices)(sharded_params, x_sharded)
+        y, dx = whole(y), whole(dx)
+        ids = whole(jax.jit(lambda p, x: forward(p, x)[1].indices)(sharded_params, x_sharded))
         sent = dispatch.dispatch_bytes_per_token(ids, a.experts, ranks, a.emb, dtype.itemsize, dedup=dedup)
         run: dict[str, Any] = {"dedup": dedup, "ranks": ranks, "tokens_per_device": a.tokens_per_device,
                                "rows_per_token_sent": sent / (a.emb * dtype.itemsize),
@@ -97,14 +116,19 @@ def main(argv: list[str] | None = None) -> int:
         run.update(time_fn(lambda: step(sharded_params, x_sharded), a.warmup, a.iters))
         run["tflops_per_device"] = flops / (run["median_ms"] * 1e-3) / 1e12
         result["runs"].append(run)
-        print(json.dumps(run), flush=True)
+        if leader:
+            print(json.dumps(run), flush=True)
     plain, dedup_run = result["runs"]
     result["dedup_bytes_factor"] = plain["kib_per_token_sent"] / dedup_run["kib_per_token_sent"]
     result["dedup_speedup"] = plain["median_ms"] / dedup_run["median_ms"]
+    result["processes"] = jax.process_count()
+    if not leader:
+        return 0
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
 
-    print(f"\nEP{ranks}, {a.experts} experts, {a.tokens_per_device} tokens/device, {a.backend}, {a.impl}")
+    print(f"\nEP{ranks} ({jax.process_count()} process(es)), {a.experts} experts, {a.tokens_per_device} tokens/device, "
+          f"{a.backend}, {a.impl}")
     print(f"{'dispatch':9} {'median ms':>10} {'TFLOP/s/dev':>11} {'rows/token':>10} {'KiB/token':>9} "
           f"{'wire rows':>9} {'rel y':>9} {'rel dx':>9}")
     for r in result["runs"]:

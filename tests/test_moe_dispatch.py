@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from maxtext_moe.distributed import free_port
 from maxtext_moe.errors import UserError
 from maxtext_moe.moe import dispatch
 from maxtext_moe.moe.layer import MoEConfig, init_params, moe_forward
@@ -297,18 +298,26 @@ def test_dense_all_to_all_exchange_equals_the_emulation_on_four_cpu_devices() ->
     assert max(result["worst"].values()) < 1e-5, result["worst"]
 
 
-def test_ep_dispatch_benchmark_script_on_two_cpu_devices(tmp_path) -> None:
+@pytest.mark.parametrize("processes", [1, 2])
+def test_ep_dispatch_benchmark_script_on_two_cpu_devices(tmp_path, processes: int) -> None:
     """scripts/bench_ep_dispatch.py end to end on 2 CPU devices (the dense all-to-all, a real collective
-    there): both dispatch modes compute the single-device layer, and dedup sends fewer rows per token than
-    one per chosen expert, padding on the wire included."""
+    there), driven by one process or by one process each (the layout that runs on two GPUs): both dispatch
+    modes compute the single-device layer, and dedup sends fewer rows per token than one per chosen
+    expert, padding on the wire included."""
     script = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_ep_dispatch.py")
     out = tmp_path / "ep.json"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, script, "--tokens-per-device", "64", "--experts", "16", "--emb", "64",
-                           "--mlp", "32", "--top-k", "4", "--groups", "4", "2", "--backend", "ragged_dot",
-                           "--impl", "all_to_all", "--dtype", "float32", "--iters", "2", "--warmup", "1",
-                           "--out", str(out)], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    args = [sys.executable, script, "--tokens-per-device", "64", "--experts", "16", "--emb", "64", "--mlp", "32",
+            "--top-k", "4", "--groups", "4", "2", "--backend", "ragged_dot", "--impl", "all_to_all",
+            "--dtype", "float32", "--iters", "2", "--warmup", "1", "--out", str(out)]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={3 - processes}")
+    if processes > 1:
+        env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}", JAX_NUM_PROCESSES=str(processes))
+    procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=dict(env, JAX_PROCESS_ID=str(i)) if processes > 1 else env) for i in range(processes)]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-3000:]
+    stdout = outputs[0][0]
     result = json.loads(out.read_text())
     plain, dedup = result["runs"]
     for run in (plain, dedup):
@@ -318,7 +327,9 @@ def test_ep_dispatch_benchmark_script_on_two_cpu_devices(tmp_path) -> None:
     # On the wire, one block per peer: 64 rows with dedup, 64 x min(top-k 4, 8 local experts) without.
     assert (plain["wire_rows_per_token"], dedup["wire_rows_per_token"]) == (4.0, 1.0)
     assert result["dedup_bytes_factor"] == pytest.approx(plain["kib_per_token_sent"] / dedup["kib_per_token_sent"])
-    assert "dedup:" in proc.stdout and "fewer bytes" in proc.stdout
+    assert result["processes"] == processes and f"({processes} process(es))" in stdout
+    assert "dedup:" in stdout and "fewer bytes" in stdout
+    assert all("dedup" not in out for out, _ in outputs[1:])  # process 0 alone reports
 
 
 def test_te_backend_gets_groups_that_cover_every_received_row(monkeypatch: pytest.MonkeyPatch) -> None:

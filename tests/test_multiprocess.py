@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
+from maxtext_moe.distributed import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -20,19 +20,13 @@ SHRINK = ["topology.nodes=2", "ici_fsdp_parallelism=-1", "per_device_batch_size=
           "checkpoint_period=2", "base_num_decoder_layers=2", "mtp_num_layers=0"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _train_two(out: Path, steps: int) -> list[subprocess.CompletedProcess]:
     return _two("train", *SHRINK, f"steps={steps}", f"base_output_directory={out}")
 
 
 def _two(*args: str) -> list[subprocess.CompletedProcess]:
     """`python -m maxtext_moe ARGS` as processes 0 and 1 of one job on loopback."""
-    port = _free_port()
+    port = free_port()
     procs = []
     for pid in range(2):
         env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",

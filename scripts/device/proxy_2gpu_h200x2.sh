@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call on the lent 2 x H200 machine (kind nvidia-h200-x2; issues 4 and 5): the GPU tests (the
 # real ragged_all_to_all exchange against its emulation, the grouped-GEMM backends), the EP2 MoE layer with and without
-# per-rank dedup (scripts/bench_ep_dispatch.py), then `maxtext-moe bench` of the two-GPU proxy with expert
-# parallelism 2 (our block, TE) and with FSDP 2 (MaxText's block), one process per GPU (or one for both).
+# per-rank dedup (scripts/bench_ep_dispatch.py, one process per GPU), then `maxtext-moe bench` of the two-GPU proxy
+# with expert parallelism 2 (our block, TE) and with FSDP 2 (MaxText's block), one process per GPU (or one for both).
 # Usage there: bash scripts/device/proxy_2gpu_h200x2.sh STEPS ["NAME PROCESSES RECIPE key=value ..." ...]
 # DISPATCH_TESTS=0 skips the GPU tests; EP_BENCH_BACKENDS=" " skips the layer benchmark.
 # Logs and JSON: $OUT/results.tgz.
@@ -15,23 +15,27 @@ if [ "${DISPATCH_TESTS:-1}" != 0 ]; then
     > "$W/dispatch_gpu.log" 2>&1
   echo "dispatch GPU tests rc=$?"; grep "JAX's transpose" "$W/dispatch_gpu.log"; tail -3 "$W/dispatch_gpu.log"; pack
 fi
-for backend in ${EP_BENCH_BACKENDS:-te}; do
-  timeout -k 10 120 python3 scripts/bench_ep_dispatch.py --tokens-per-device 8192 --experts 64 --backend "$backend" \
-    --out "$W/ep_dispatch_$backend.json" > "$W/ep_dispatch_$backend.log" 2>&1
-  echo "EP dispatch bench ($backend) rc=$?"; grep -v "Warning\|^ *$" "$W/ep_dispatch_$backend.log" | tail -6; pack
-done
-bench() {  # name, processes (1: one process sees both GPUs; 2: one per GPU), recipe [overrides]; process 0 reports
-  local name=$1 procs=$2 t0=$SECONDS; shift 2
-  local pids=() i
+per_gpu() {  # processes (1: one process sees both GPUs; 2: one per GPU), log prefix, command; waits for all
+  local procs=$1 log=$2 pids=() i rc=0 p; shift 2
   for ((i = 0; i < procs; i++)); do
     local dist=()
     [ "$procs" = 1 ] || dist=(JAX_COORDINATOR_ADDRESS=127.0.0.1:8476 JAX_NUM_PROCESSES="$procs" JAX_PROCESS_ID=$i
                              JAX_LOCAL_DEVICE_IDS=$i)
-    env "${dist[@]}" PYTHONFAULTHANDLER=1 timeout -k 10 "${RUNG_TIMEOUT:-240}" python3 -m maxtext_moe bench "$@" \
-      --steps "$steps" --warmup 3 --out "$W/$name.json" base_output_directory="/tmp/runs/$name" > "$W/$name.p$i.log" 2>&1 &
+    env "${dist[@]}" PYTHONFAULTHANDLER=1 "$@" > "$log.p$i.log" 2>&1 &
     pids+=($!)
   done
-  local rc=0 p f; for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+  for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+  return $rc
+}
+for backend in ${EP_BENCH_BACKENDS:-te}; do
+  per_gpu 2 "$W/ep_dispatch_$backend" timeout -k 10 150 python3 scripts/bench_ep_dispatch.py --tokens-per-device 8192 \
+    --experts 64 --backend "$backend" --out "$W/ep_dispatch_$backend.json"
+  echo "EP dispatch bench ($backend) rc=$?"; grep -v "Warning\|^ *$" "$W/ep_dispatch_$backend.p0.log" | tail -6; pack
+done
+bench() {  # name, processes, recipe [overrides]; process 0 reports
+  local name=$1 procs=$2 t0=$SECONDS rc=0 f; shift 2
+  per_gpu "$procs" "$W/$name" timeout -k 10 "${RUNG_TIMEOUT:-240}" python3 -m maxtext_moe bench "$@" \
+    --steps "$steps" --warmup 3 --out "$W/$name.json" base_output_directory="/tmp/runs/$name" || rc=$?
   for f in /tmp/runs/"$name"/*/maxtext*.log; do [ -f "$f" ] && tail -300 "$f" > "$W/$name.$(basename "$f")"; done
   echo "=== $name ($procs process(es), $((SECONDS - t0)) s wall): $* rc=$rc"
   grep -E "^(step time|predicted|tokens/s|model TFLOPS|MFU|peak device|loss) " "$W/$name.p0.log" \
