@@ -129,3 +129,18 @@ def test_state_memory_matches_xla_arguments_on_cpu_proxy() -> None:
     mem = memory.per_gpu(Model.from_recipe(r), layout.from_recipe(r))
     ours = mem.device["parameters"] + mem.device["optimizer state (AdamW mu, nu)"]
     assert ours == pytest.approx(xla_args, rel=0.02)
+
+
+def test_minimal_preset_saves_what_maxtext_minimal_saves() -> None:
+    """The plan's `minimal` keeps in HBM exactly the tensors MaxText's own minimal policy saves; the expert
+    GEMM outputs count through the MaxText names our block gives them besides their moe_* names."""
+    from jax._src.ad_checkpoint import name_p
+    from maxtext.layers import nnx_decoders
+
+    from maxtext_moe.plan.layout import REMAT_PRESETS, REMAT_TENSORS
+
+    policy = nnx_decoders.NNXDecoder.minimal_policy(None)
+    our_block_names = {"moe_mlpwi_0": "mlpwi_0", "moe_mlpwi_1": "mlpwi_1", "moe_mlpwo": "mlpwo"}
+    saved = {t for t in REMAT_TENSORS if policy(name_p, name=our_block_names.get(t, t))}
+    assert saved == {t for t, where in REMAT_PRESETS["minimal"].items() if where == "device"}
+    assert "context" not in saved and "moe_x_sorted" not in saved

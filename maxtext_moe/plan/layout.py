@@ -25,10 +25,16 @@ REMAT_TENSORS = ("context", "mlpwi_0", "mlpwi_1", "mlpwo", "moe_mlpwi_0", "moe_m
                  "kv_wa_proj", "mla_q", "mla_kv", "attention_out")
 # Named presets, written as the custom policy they amount to for these tensors.
 _QKV = ("query_proj", "key_proj", "value_proj")
+# MaxText's `minimal` saves these names (its NNXDecoder.minimal_policy); the expert GEMM outputs carry
+# mlpwi_0 / mlpwi_1 / mlpwo in our block (MaxText's sparse_matmul leaves mlpwi_1 off wi_1, so for its
+# block the plan counts one [rows, moe_mlp] tensor too many). Attention's context, the MLA latents and
+# the permuted expert input are recomputed.
+_MINIMAL = _QKV + ("out_proj", "mlpwi_0", "mlpwi_1", "mlpwo", "moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo")
 REMAT_PRESETS: dict[str, dict[str, str]] = {
     "full": {},
-    "minimal": {t: "device" for t in REMAT_TENSORS},
-    "minimal_offloaded": {t: "offload" for t in REMAT_TENSORS},
+    "minimal": {t: "device" for t in _MINIMAL},
+    "minimal_with_context": {t: "device" for t in _MINIMAL + ("context",)},
+    "minimal_offloaded": {t: "offload" for t in _MINIMAL},
     "save_qkv_proj": {t: "device" for t in _QKV},
     "qkv_proj_offloaded": {t: "offload" for t in _QKV},
     "save_out_proj": {"out_proj": "device"},

@@ -16,8 +16,6 @@ from maxtext_moe.plan.layout import REMAT_TENSORS, Layout
 from maxtext_moe.plan.model import Model
 
 GIB = 2**30
-# Value + gradient of every tensor of the layer being recomputed are live at once in the backward.
-WORKING_SET_COPIES = 2
 # Logits live as the activation dtype, an fp32 copy for the log-softmax, and the fp32 gradient.
 LOGIT_FP32_COPIES = 2
 # Gathered FSDP weights: the layer in use, the next one prefetched, and the gradient awaiting reduce-scatter.
@@ -67,6 +65,13 @@ def tensor_sizes(m: Model, lay: Layout, moe: bool) -> dict[str, float]:
     return {k: s / lay.tp for k, s in sizes.items()}
 
 
+def _working_set(sizes: dict[str, float], remat: dict[str, str]) -> float:
+    """Elements per token live while one layer runs backward: the gradient of every tensor, plus the value of
+    each tensor not kept in HBM (recomputed, or brought back from host). Under full remat that is two
+    copies of everything; a saved tensor is already counted with the saved activations."""
+    return sum(sizes.values()) + sum(s for t, s in sizes.items() if remat[t] != "device")
+
+
 def per_gpu(m: Model, lay: Layout) -> Memory:
     """Memory of one GPU under `lay` (the most loaded pipeline stage: it also holds embedding and head)."""
     shard = lay.fsdp * lay.ep * lay.tp
@@ -92,7 +97,7 @@ def per_gpu(m: Model, lay: Layout) -> Memory:
         sizes = tensor_sizes(m, lay, moe)
         saved_dev += n * (m.emb / lay.tp + sum(s for t, s in sizes.items() if lay.remat[t] == "device"))
         saved_host += n * sum(s for t, s in sizes.items() if lay.remat[t] == "offload")
-    working = max(sum(tensor_sizes(m, lay, moe).values()) for moe in (False, True)) * WORKING_SET_COPIES
+    working = max(_working_set(tensor_sizes(m, lay, moe), lay.remat) for moe in (False, True))
     experts_per_rank = m.experts // lay.ep
     gathered = max(m.layer_weights(moe, experts_per_rank) for moe in (False, True)) / lay.tp
     logits = tokens * m.vocab / lay.tp / lay.vocab_tiling * (act + 4 * LOGIT_FP32_COPIES)
