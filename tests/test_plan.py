@@ -137,10 +137,8 @@ def test_minimal_preset_saves_what_maxtext_minimal_saves() -> None:
     from jax._src.ad_checkpoint import name_p
     from maxtext.layers import nnx_decoders
 
-    from maxtext_moe.plan.layout import REMAT_PRESETS, REMAT_TENSORS
-
     policy = nnx_decoders.NNXDecoder.minimal_policy(None)
     our_block_names = {"moe_mlpwi_0": "mlpwi_0", "moe_mlpwi_1": "mlpwi_1", "moe_mlpwo": "mlpwo"}
-    saved = {t for t in REMAT_TENSORS if policy(name_p, name=our_block_names.get(t, t))}
-    assert saved == {t for t, where in REMAT_PRESETS["minimal"].items() if where == "device"}
+    saved = {t for t in layout.REMAT_TENSORS if policy(name_p, name=our_block_names.get(t, t))}
+    assert saved == {t for t, where in layout.REMAT_PRESETS["minimal"].items() if where == "device"}
     assert "context" not in saved and "moe_x_sorted" not in saved
