@@ -13,7 +13,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Sequence
 
-from maxtext_moe import __version__, recipe
+from maxtext_moe import __version__, advice, recipe
 from maxtext_moe.errors import UserError
 from maxtext_moe.resolved import ResolvedRecipe
 
@@ -55,6 +55,7 @@ def render_show(r: ResolvedRecipe) -> str:
         for key in sorted(values):
             src = r.sources.get(f"{prefix}.{key}", "derived from xla_flags" if key == "XLA_FLAGS" else "")
             lines.append(f"  {(key + ':').ljust(width)} {_yaml_scalar(values[key])}  # {src}")
+    lines += [f"# {note}" for note in advice.notes(r)]
     return "\n".join(lines)
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from maxtext_moe import corpus, distributed, maxtext_check, maxtext_keys, run_dir, xla_flags
+from maxtext_moe import advice, corpus, distributed, maxtext_check, maxtext_keys, run_dir, xla_flags
 from maxtext_moe.errors import UserError
 from maxtext_moe.progress import Progress
 from maxtext_moe.resolved import ResolvedRecipe
@@ -104,6 +104,8 @@ def train(resolved: ResolvedRecipe, *, force: bool = False, verbose: bool = Fals
     expert_parallel = any(resolved.effective(f"{net}_expert_parallelism") != 1 for net in ("ici", "dcn"))
     if warning := distributed.layout_warning(proc, resolved.topology, expert_parallel):
         out(warning)
+    for note in advice.notes(resolved):
+        out(note)
     with distributed.leader_first(proc, "run folder"):
         found = (run_dir.prepare(rp.run, resolved.checkpoint_identity(), force=force, log=out) if proc.is_leader
                  else run_dir.scan(rp.run / "checkpoints"))

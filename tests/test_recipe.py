@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 import pytest
@@ -66,7 +67,6 @@ def test_resolved_values_reach_maxtext_unchanged():
 
 
 def test_resolver_does_not_import_jax():
-    import subprocess
 
     code = ("import sys; from maxtext_moe import recipe, validate; "
             f"validate.resolve(recipe.compose({TINY!r})); print('jax' in sys.modules)")
@@ -237,3 +237,16 @@ def test_moe_fp8_needs_te_and_fp8_hardware():
     assert "moe.fp8: is current_scaling, but cpu has no FP8 matrix units. Fix: set moe.fp8: none" in \
         error_of(TINY, "moe.impl=ours", "moe.fp8=current_scaling")
     assert "moe.fp8: applies only to moe.impl: ours" in error_of(TINY, "moe.fp8=current_scaling")
+
+
+def test_advice_names_the_scanned_te_step_that_computes_gemms_twice():
+    from maxtext_moe import advice
+
+    assert advice.notes(compose_resolve("deepseek3-proxy-h200-1gpu")) == []  # unrolled, as measured fastest
+    (note,) = advice.notes(compose_resolve("deepseek3-proxy-h200-1gpu", "scan_layers=true"))
+    assert "scan_layers is true with moe.gemm: te and remat_policy: minimal" in note and "scan_layers: false" in note
+    assert advice.notes(compose_resolve("deepseek3-proxy-h200-1gpu", "scan_layers=true", "remat_policy=full")) == []
+    assert advice.notes(compose_resolve("deepseek3-proxy-h200-1gpu", "scan_layers=true", "moe.gemm=tokamax")) == []
+    shown = subprocess.run([sys.executable, "-m", "maxtext_moe", "show", "deepseek3-proxy-h200-1gpu", "scan_layers=true"],
+                           capture_output=True, text=True, check=True).stdout
+    assert shown.splitlines()[-1] == f"# {note}"
