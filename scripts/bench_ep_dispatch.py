@@ -71,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default="te", choices=list(BACKENDS))
     ap.add_argument("--impl", default="all_to_all", choices=list(dispatch.IMPLS))
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--buffer-factor", type=float, default=-1.0,
+                    help="ragged_buffer_factor: receive rows and expert copies per device as a multiple of the "
+                         "balanced load (-1: the dropless worst case)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--out", required=True)
@@ -98,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                               "config": vars(a), "check_dropless": False, "runs": []}
     for dedup in (False, True):
         forward = functools.partial(dispatch.ep_moe_forward_sharded, cfg=cfg, mesh=mesh, dedup=dedup,
-                                    backend=a.backend, impl=a.impl)
+                                    backend=a.backend, impl=a.impl, buffer_factor=a.buffer_factor)
         step = grad_fn(lambda p, x: forward(p, x)[0], cot)
         (_, dx), y = step(sharded_params, x_sharded)
         y, dx = whole(y), whole(dx)
@@ -128,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(result, f, indent=1)
 
     print(f"\nEP{ranks} ({jax.process_count()} process(es)), {a.experts} experts, {a.tokens_per_device} tokens/device, "
-          f"{a.backend}, {a.impl}")
+          f"{a.backend}, {a.impl}, ragged_buffer_factor {a.buffer_factor:g}")
     print(f"{'dispatch':9} {'median ms':>10} {'TFLOP/s/dev':>11} {'rows/token':>10} {'KiB/token':>9} "
           f"{'wire rows':>9} {'rel y':>9} {'rel dx':>9}")
     for r in result["runs"]:

@@ -81,4 +81,4 @@ def test_two_gpu_runs_start_one_process_per_gpu_or_one_for_both(tmp_path: Path) 
     ep = [c for c in calls if "scripts/bench_ep_dispatch.py" in c]
     assert sorted(c.split(" scripts/")[0] for c in ep) == ["CVD=unset PID=0 N=2", "CVD=unset PID=1 N=2"]
     assert all("--backend te" in c for c in ep)
-    assert {"two.p0.log", "two.p1.log", "one.p0.log", "dispatch_gpu.log", "ep_dispatch_te.p0.log"} <= packed(archive)
+    assert {"two.p0.log", "two.p1.log", "one.p0.log", "dispatch_gpu.log", "ep_dispatch_te_f-1.p0.log"} <= packed(archive)

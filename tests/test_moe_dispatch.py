@@ -360,3 +360,48 @@ def test_te_backend_gets_groups_that_cover_every_received_row(monkeypatch: pytes
     one = loss(lambda p, x: moe_forward(p, x, CFG, "ragged_dot"))(params, x)
     for a, b in zip(jax.tree.leaves(ep), jax.tree.leaves(one)):
         assert np.array_equal(np.asarray(a), np.asarray(b)) or rel(a, b) < 1e-5
+
+
+def test_capped_expert_copies_shrink_the_te_gemms_and_keep_the_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The receive side with `copies_cap`: TE's grouped GEMMs (a stand-in that records its rows and, like TE,
+    needs groups covering them) get the cap's rows instead of every slot of the buffer, and the output and
+    all gradients equal the uncapped ones; a cap one copy short of the valid ones changes the result (why
+    `ep_routed` guards it)."""
+    from maxtext_moe.moe import gemm
+
+    seen: list[int] = []
+
+    def grouped_dense(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+        seen.append(x.shape[0])
+        return jax.lax.ragged_dot(x, w, sizes)
+
+    monkeypatch.setattr(gemm, "_import_te", lambda: (types.SimpleNamespace(grouped_dense=grouped_dense), None))
+    monkeypatch.setattr(gemm, "select_te_grouped_gemm_path", lambda requested="auto": "v1")
+    rows, slots, local = 48, 4, 8
+    experts = {n: init_params(jax.random.key(30), CFG, jnp.float32)["MoeBlock_0"][n][:local]
+               for n in ("wi_0", "wi_1", "wo")}
+    ks = jax.random.split(jax.random.key(31), 4)
+    row_experts = jax.random.randint(ks[0], (rows, slots), 0, local)
+    row_experts = jnp.where(jax.random.uniform(ks[1], (rows, slots)) < 0.5, row_experts, -1)  # half empty
+    row_weights = jnp.where(row_experts >= 0, jax.random.uniform(ks[2], (rows, slots)), 0)
+    x = jax.random.normal(ks[3], (rows, CFG.emb_dim))
+    cot = jax.random.normal(jax.random.key(32), x.shape)
+    valid = int(jnp.sum(row_experts >= 0))
+    assert valid < rows * slots * 3 // 4
+
+    def run(cap):
+        def loss(x, e):
+            y, copies = dispatch.expand_reduce(x, row_experts, row_weights, e, "te", copies_cap=cap)
+            return jnp.sum(y * cot), (y, copies)
+        (_, (y, copies)), grads = jax.value_and_grad(loss, (0, 1), has_aux=True)(x, experts)
+        return y, copies, grads
+
+    y_all, copies, grads_all = run(None)
+    assert int(copies) == valid and set(seen) == {rows * slots}
+    seen.clear()
+    y_cap, _, grads_cap = run(valid)
+    assert set(seen) == {valid}
+    assert rel(y_cap, y_all) < 1e-6
+    for a, b in zip(jax.tree.leaves(grads_cap), jax.tree.leaves(grads_all)):
+        assert rel(a, b) < 1e-6
+    assert rel(run(valid - 1)[0], y_all) > 1e-4

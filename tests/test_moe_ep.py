@@ -65,38 +65,43 @@ _SHARDED_VS_ONE_DEVICE = textwrap.dedent("""
 
     (_, g), (_, g_one) = loss(lambda p, x: sharded(p, x, -1.0)), loss(one)
     y, y_one = jax.jit(sharded, static_argnums=2)(p, x, -1.0), jax.jit(one)(p, x)
-    # The rows each rank receives, from the plans of the two token halves: a buffer of exactly that many
-    # rows runs; one row fewer stops with the overflow error.
+    # What each rank receives, from the plans of the two token halves: rows, and (token, expert) copies.
+    # The factor that fits both buffers exactly runs; one row or copy fewer in the tighter one stops with
+    # the overflow error.
     halves = x.reshape(2, -1, 32)
     ids = [route(gate_logits(h, p["gate"]["kernel"]), p["gate"]["bias"], cfg.routing).indices
            for h in halves]
     plans = [dispatch.plan_dispatch(i, jnp.ones(i.shape), 16, 2) for i in ids]
     needed = int(np.max(sum(np.asarray(pl.send_counts) for pl in plans)))
-    balanced = plans[0].row_token.shape[0]
-    y_cap = jax.jit(sharded, static_argnums=2)(p, x, needed / balanced)
+    copies = int(np.max(np.bincount(np.concatenate([np.asarray(i).ravel() for i in ids]) // 8, minlength=2)))
+    balanced, balanced_copies = plans[0].row_token.shape[0], halves.shape[1] * 4
+    fit = max(needed / balanced, copies / balanced_copies)
+    short = (needed - 1) / balanced if needed / balanced == fit else (copies - 1) / balanced_copies
+    y_cap = jax.jit(sharded, static_argnums=2)(p, x, fit)
     try:
-        jax.jit(sharded, static_argnums=2)(p, x, (needed - 1) / balanced).block_until_ready()
+        jax.jit(sharded, static_argnums=2)(p, x, short).block_until_ready()
         overflow = None
     except Exception as e:
         overflow = str(e)
     print(json.dumps({"devices": len(jax.devices()), "rel_y": rel(y, y_one),
                       "rel_grads": max(rel(a, b) for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_one))),
                       "rel_capped": rel(y_cap, y), "needed": needed, "worst": 2 * plans[0].peer_rows,
-                      "overflow": overflow}))
+                      "copies": copies, "worst_copies": 2 * plans[0].peer_rows * 4, "overflow": overflow}))
 """)
 
 
 def test_sharded_routed_experts_equal_one_device_layer() -> None:
     """`ep_routed_sharded` over 2 CPU devices (tokens [batch, seq, emb] sharded as MaxText shards them) equals
-    `layer.routed_experts` on one device, forward and gradients; a capped receive buffer that fits gives the
-    same output, and one a row too small stops with the overflow error instead of dropping the row."""
+    `layer.routed_experts` on one device, forward and gradients; capped receive rows and expert copies that
+    fit give the same output, and one row or copy too few stops with the overflow error instead of dropping."""
     proc = subprocess.run([sys.executable, "-c", _SHARDED_VS_ONE_DEVICE], capture_output=True, text=True,
                           env=dict(os.environ, **TWO_DEVICES), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["devices"] == 2
     assert r["rel_y"] < 1e-6 and r["rel_grads"] < 1e-6, r
-    assert r["needed"] < r["worst"] and r["rel_capped"] == 0.0, r  # the cap was a real bound, and it held
+    assert r["needed"] < r["worst"] and r["copies"] < r["worst_copies"], r  # the caps were real bounds
+    assert r["rel_capped"] == 0.0, r  # and they held
     assert "EP receive buffer overflow" in r["overflow"] and "ragged_buffer_factor" in r["overflow"], r
 
 

@@ -27,7 +27,10 @@ R * peer_rows rows (R * T with dedup), which at DeepSeek-V3 scale is far more th
 receives when every token sends its most rows (min(k, R) with dedup, k without) spread evenly over the
 ranks: MaxText's `ragged_buffer_factor` meaning, counted in our rows. Rows from the senders are packed
 one after another, so the bound is on the rank's total; should a batch need more, the exchange never
-writes past the buffer and a guard raises (`_guard_capacity`) instead of dropping rows silently.
+writes past the buffer and a guard raises (`_guard_capacity`) instead of dropping rows silently. The same
+factor bounds the (row, expert) copies a rank's grouped GEMMs run (`expert_copies`: factor * T * k, where
+the worst case is R * T * min(k, L)), with the same guard: at EP2 the worst case doubles the expert GEMM
+rows TE computes, at EP8 it is eight times.
 """
 
 from __future__ import annotations
@@ -288,20 +291,28 @@ def exchange(operand: jax.Array, input_offsets: jax.Array, send_sizes: jax.Array
 
 
 def expand_reduce(x: jax.Array, row_experts: jax.Array, row_weights: jax.Array, experts: Params,
-                  backend: Backend, fp8: Fp8 = "none") -> tuple[jax.Array, jax.Array]:
+                  backend: Backend, fp8: Fp8 = "none", copies_cap: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Receive side: rows [M, D] with slots [M, S] -> (weighted sum of their local experts' outputs [M, D]
     float32, number of valid (row, expert) copies). Empty slots (-1, or out of this rank's [0, L)) sort
-    after the L expert groups and are zeroed before the sum; the grouped GEMMs treat them as rows past the
-    groups (`grouped_matmul(partial=True)`): tokamax skips them, TE computes them (it needs groups that
-    cover every row), and with the dropless worst-case buffer about half of the M rows are empty at EP2."""
+    after the L expert groups and are zeroed before the sum.
+
+    The grouped GEMMs run on the first `copies_cap` sorted copies (all M * S when None): the valid ones,
+    then empty ones up to the cap, which the GEMMs treat as rows past the groups (`grouped_matmul(partial=
+    True)`): tokamax skips them, TE computes them (it needs groups that cover every row). Why the cap: the
+    dropless worst case is M * S copies, twice what a rank holds on average at EP2 and eight times at EP8,
+    and TE would spend that many rows of GEMM work. The caller guarantees the valid copies fit
+    (`ep_routed` stops the step otherwise); copies past the cap would be lost."""
     rows, slots = row_experts.shape
     num_local = experts["wi_0"].shape[0]
     flat = row_experts.reshape(-1)
     valid = (flat >= 0) & (flat < num_local)
     order, inverse, sizes = sort_by_expert(jnp.where(valid, flat, num_local), num_local + 1, check=False)
     sizes = sizes[:num_local]
-    x_sorted = permute_rows(jnp.repeat(x, slots, axis=0), order, inverse)
-    out = permute_rows(expert_mlp(x_sorted, experts, sizes, backend, fp8, partial=True), inverse, order)
+    cap = flat.shape[0] if copies_cap is None else min(copies_cap, flat.shape[0])
+    part = cap < flat.shape[0]
+    order, inverse = order[:cap], jnp.where(inverse < cap, inverse, cap)  # index cap: a copy left out
+    x_sorted = permute_rows(jnp.repeat(x, slots, axis=0), order, inverse, part)
+    out = permute_rows(expert_mlp(x_sorted, experts, sizes, backend, fp8, partial=True), inverse, order, part)
     out = jnp.where(valid[:, None], out, 0).reshape(rows, slots, -1)
     y = jnp.einsum("msd,ms->md", out, row_weights.astype(x.dtype), preferred_element_type=jnp.float32)
     return y, jnp.sum(valid, dtype=jnp.int32)
@@ -318,21 +329,27 @@ def receive_rows(plan: DispatchPlan, buffer_factor: float) -> int:
     return min(worst, math.ceil(buffer_factor * plan.row_token.shape[0]))
 
 
-def _raise_overflow(needed: np.ndarray, capacity: int, buffer_factor: float) -> None:
-    raise UserError(f"EP receive buffer overflow: a rank needs {int(needed)} rows but its buffer holds {capacity} "
+def expert_copies(plan: DispatchPlan, tokens: int, buffer_factor: float) -> int | None:
+    """(row, expert) copies each rank's grouped GEMMs run: None (every slot of the receive buffer, the
+    dropless worst case) when `buffer_factor` <= 0, else ceil(factor * T * k), T * k being what a rank
+    serves when the R * T * k copies of all ranks spread evenly: MaxText's `ragged_buffer_factor` buffer."""
+    return None if buffer_factor <= 0 else math.ceil(buffer_factor * tokens * plan.top_k)
+
+
+def _raise_overflow(needed: np.ndarray, capacity: int, buffer_factor: float, what: str) -> None:
+    raise UserError(f"EP receive buffer overflow: a rank needs {int(needed)} {what} but its buffer holds {capacity} "
                     f"(ragged_buffer_factor={buffer_factor}); no row was dropped: this step is stopped instead.",
                     key="ragged_buffer_factor",
                     fix="raise ragged_buffer_factor, or set it to -1 for the dropless worst-case buffer.")
 
 
-def _guard_capacity(received: jax.Array, capacity: int, buffer_factor: float) -> None:
-    """Stop the step when some rank's rows exceed its buffer. `received` [R] is the same on every rank (it
-    comes from the all-gathered counts), so every rank takes the same branch; the host callback runs only
-    when the buffer overflows, the common step pays one predicate read."""
-    needed = jnp.max(received)
+def _guard_capacity(needed: jax.Array, capacity: int, buffer_factor: float, what: str) -> None:
+    """Stop the step when some rank needs more than `capacity`. `needed` is the most any rank needs, the
+    same value on every rank, so every rank takes the same branch; the host callback runs only when the
+    buffer overflows, the common step pays one predicate read."""
     jax.lax.cond(needed > capacity,
                  lambda n: jax.debug.callback(functools.partial(_raise_overflow, capacity=capacity,
-                                                                buffer_factor=buffer_factor), n),
+                                                                buffer_factor=buffer_factor, what=what), n),
                  lambda n: None, needed)
 
 
@@ -346,8 +363,8 @@ def ep_routed(x: jax.Array, plan: DispatchPlan, experts: Params, *, backend: Bac
     rows, pre-filled as padding: zeros, expert -1) the senders' rows follow one another in rank order.
     Return: each destination sends one reduced row per received row back to the position it came from; the
     source sums rows per token (`own_adjoint`: see `exchange`). With a capped buffer (`buffer_factor` > 0)
-    rows past the end are never sent and `_guard_capacity` stops the step; the `check` of copies still
-    counts every (token, expert) pair.
+    rows past the end are never sent, the grouped GEMMs run `expert_copies` copies, and `_guard_capacity`
+    stops the step when either bound is short; the `check` of copies still counts every (token, expert) pair.
     """
     ranks = plan.send_counts.shape[0]
     capacity = receive_rows(plan, buffer_factor)
@@ -355,7 +372,7 @@ def ep_routed(x: jax.Array, plan: DispatchPlan, experts: Params, *, backend: Bac
     counts = jax.lax.all_gather(plan.send_counts, axis_name)  # [source, destination]
     landing = jnp.cumsum(counts, axis=0) - counts  # where source s's rows start in destination d's buffer
     if capacity < ranks * plan.peer_rows:
-        _guard_capacity(jnp.sum(counts, axis=0), capacity, buffer_factor)
+        _guard_capacity(jnp.max(jnp.sum(counts, axis=0)), capacity, buffer_factor, "rows")
     fits = jnp.clip(capacity - landing, 0, counts)  # never write past a receive buffer
     send_sizes, recv_sizes = fits[me], fits[:, me]
     out_offsets, recv_offsets = landing[me], landing[:, me]
@@ -365,8 +382,11 @@ def ep_routed(x: jax.Array, plan: DispatchPlan, experts: Params, *, backend: Bac
         return ex(rows, plan.send_offsets, send_sizes, out_offsets, recv_sizes, rows=capacity, pad=pad)
 
     recv_x = send(x[plan.row_token], 0)
+    copies_cap = expert_copies(plan, x.shape[0], buffer_factor)
     y_recv, copies = expand_reduce(recv_x, send(plan.row_experts, -1), send(plan.row_weights, 0), experts, backend,
-                                   fp8)
+                                   fp8, copies_cap)
+    if copies_cap is not None and copies_cap < capacity * plan.row_experts.shape[1]:
+        _guard_capacity(jax.lax.pmax(copies, axis_name), copies_cap, buffer_factor, "(token, expert) copies")
     if check:
         _check_dropless(jax.lax.psum(copies, axis_name), x.shape[0] * plan.top_k * ranks, "the expert ranks together")
     back = ex(y_recv.astype(x.dtype), recv_offsets, recv_sizes, _transpose(plan.send_offsets, axis_name), send_sizes,

@@ -96,18 +96,26 @@ def sort_by_expert(indices: jax.Array, num_experts: int, check: bool = True) -> 
     return order, inverse, group_sizes
 
 
-@jax.custom_vjp
-def permute_rows(x: jax.Array, perm: jax.Array, inverse: jax.Array) -> jax.Array:
-    """x[perm] whose backward is a gather by the inverse permutation, not the scatter-add XLA would emit."""
-    return x[perm]
+def _take_rows(x: jax.Array, idx: jax.Array, partial: bool) -> jax.Array:
+    return jnp.take(x, idx, axis=0, mode="fill", fill_value=0) if partial else x[idx]
 
 
-def _permute_fwd(x: jax.Array, perm: jax.Array, inverse: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return x[perm], inverse
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def permute_rows(x: jax.Array, perm: jax.Array, inverse: jax.Array, partial: bool = False) -> jax.Array:
+    """x[perm] whose backward is a gather by the inverse permutation, not the scatter-add XLA would emit.
+
+    `partial`: `perm` may be a one-to-one map onto part of the rows, in either direction; an index past
+    the last row reads zero (forward, and in the backward through `inverse`). The EP receive side keeps
+    only the valid (row, expert) copies this way (`dispatch.expand_reduce`)."""
+    return _take_rows(x, perm, partial)
 
 
-def _permute_bwd(inverse: jax.Array, g: jax.Array) -> tuple[jax.Array, None, None]:
-    return g[inverse], None, None
+def _permute_fwd(x: jax.Array, perm: jax.Array, inverse: jax.Array, partial: bool) -> tuple[jax.Array, jax.Array]:
+    return _take_rows(x, perm, partial), inverse
+
+
+def _permute_bwd(partial: bool, inverse: jax.Array, g: jax.Array) -> tuple[jax.Array, None, None]:
+    return _take_rows(g, inverse, partial), None, None
 
 
 permute_rows.defvjp(_permute_fwd, _permute_bwd)

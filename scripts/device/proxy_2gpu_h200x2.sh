@@ -4,14 +4,15 @@
 # per-rank dedup (scripts/bench_ep_dispatch.py, one process per GPU), then `maxtext-moe bench` of the two-GPU proxy
 # with expert parallelism 2 (our block, TE) and with FSDP 2 (MaxText's block), one process per GPU (or one for both).
 # Usage there: bash scripts/device/proxy_2gpu_h200x2.sh STEPS ["NAME PROCESSES RECIPE key=value ..." ...]
-# DISPATCH_TESTS=0 skips the GPU tests; EP_BENCH_BACKENDS=" " skips the layer benchmark.
+# DISPATCH_TESTS=0 skips the GPU tests; EP_BENCH_BACKENDS=" " skips the layer benchmark, EP_BUFFER_FACTORS lists
+# the ragged_buffer_factor values it runs (default -1, the dropless worst case).
 # Logs and JSON: $OUT/results.tgz.
 set -uo pipefail
 steps=${1:-8}; shift || true
 source scripts/device/common.sh
 nvidia-smi topo -m >> "$W/gpu.txt" 2>&1
 if [ "${DISPATCH_TESTS:-1}" != 0 ]; then
-  timeout 200 python3 -m pytest tests/test_moe_dispatch.py tests/test_moe_gpu.py -m gpu -q -rP -p no:cacheprovider \
+  timeout 200 python3 -m pytest tests/test_moe_dispatch.py tests/test_moe_gpu.py tests/test_remat.py -m gpu -q -rP -p no:cacheprovider \
     > "$W/dispatch_gpu.log" 2>&1
   echo "dispatch GPU tests rc=$?"; grep "JAX's transpose" "$W/dispatch_gpu.log"; tail -3 "$W/dispatch_gpu.log"; pack
 fi
@@ -28,9 +29,13 @@ per_gpu() {  # processes (1: one process sees both GPUs; 2: one per GPU), log pr
   return $rc
 }
 for backend in ${EP_BENCH_BACKENDS:-te}; do
-  per_gpu 2 "$W/ep_dispatch_$backend" timeout -k 10 150 python3 scripts/bench_ep_dispatch.py --tokens-per-device 8192 \
-    --experts 64 --backend "$backend" --out "$W/ep_dispatch_$backend.json"
-  echo "EP dispatch bench ($backend) rc=$?"; grep -v "Warning\|^ *$" "$W/ep_dispatch_$backend.p0.log" | tail -6; pack
+  for factor in ${EP_BUFFER_FACTORS:--1}; do
+    name=ep_dispatch_${backend}_f$factor
+    per_gpu 2 "$W/$name" timeout -k 10 150 python3 scripts/bench_ep_dispatch.py --tokens-per-device 8192 \
+      --experts 64 --backend "$backend" --buffer-factor "$factor" --out "$W/$name.json"
+    echo "EP dispatch bench ($backend, ragged_buffer_factor $factor) rc=$?"
+    grep -v "Warning\|^ *$" "$W/$name.p0.log" | tail -6; pack
+  done
 done
 bench() {  # name, processes, recipe [overrides]; process 0 reports
   local name=$1 procs=$2 t0=$SECONDS rc=0 f; shift 2
