@@ -61,6 +61,7 @@ class Plan:
             "gflops_per_token_without_mtp": self.flops.without_mtp / 1e9,
             "communication_gib_per_step": {c.name: c.bytes / GIB for c in self.collectives},
             "ep_all_to_all_gib": {k: v / GIB for k, v in self.a2a.items()},
+            "expert_rows_computed_per_copy": expert_rows_computed(self.model, lay),
             "compute_s": self.compute_s, "recompute_fraction": self.recompute_fraction,
             "pipeline_bubble": self.bubble, "step_time_s": self.step_s,
             "tokens_per_s_per_gpu": lay.tokens / self.step_s, "predicted_tflops_per_gpu": self.tflops_per_gpu,
@@ -91,6 +92,10 @@ class Plan:
             lines.append(f"    EP all-to-all once per expert {self.a2a['per_expert'] / GIB:.1f} GiB; "
                          f"with per-rank dedup {self.a2a['per_rank_dedup'] / GIB:.1f} GiB; "
                          f"in dense blocks {self.a2a['dense_blocks'] / GIB:.1f} GiB")
+        rows = expert_rows_computed(m, lay)
+        if rows > 1:
+            lines.append(f"    expert GEMMs run {rows:g}x the routed rows: empty receive slots count on TE "
+                         f"(ragged_buffer_factor {lay.ragged_buffer_factor:g})")
         peak = "FP8" if lay.dense_fp8 or lay.expert_fp8 else "BF16"
         lines.append(f"  step: compute {self.compute_s:.2f} s (recompute +{self.recompute_fraction:.0%}, "
                      f"bubble {self.bubble:.0%}, {lay.moe_path} grouped GEMM {'FP8' if lay.expert_fp8 else 'BF16'}, "
@@ -116,13 +121,24 @@ def _recompute(m: Model, lay: Layout) -> float:
     return sum(v for name, v in parts if r[name] == "remat")
 
 
-def _compute_seconds(f: flops.Flops, lay: Layout, recompute: float) -> float:
+def expert_rows_computed(m: Model, lay: Layout) -> float:
+    """Expert GEMM rows computed per routed (token, expert) copy. Our EP block on TE runs the grouped GEMMs
+    over its whole buffer of copies, empty ones included (TE needs groups that cover every row): the
+    dropless worst case (EP x the balanced copies) with ragged_buffer_factor -1, else the factor. tokamax
+    and MaxText's block skip the empty rows."""
+    if lay.ep > 1 and lay.dedup_dispatch and lay.moe_path == "te":
+        return memory.rows_per_token(lay, m) / m.topk
+    return 1.0
+
+
+def _compute_seconds(f: flops.Flops, m: Model, lay: Layout, recompute: float) -> float:
     hw = lay.hardware
     peak = {True: (hw.peak_fp8_tflops or hw.peak_bf16_tflops) * 1e12, False: hw.peak_bf16_tflops * 1e12}
     scale = 1 + recompute / f.total  # recompute spread over the step's mix of kernels
     t = lay.tokens * scale
+    grouped = f.grouped_gemm * expert_rows_computed(m, lay)
     return t * (f.gemm / (peak[lay.dense_fp8] * DENSE_GEMM_EFFICIENCY)
-                + f.grouped_gemm / (peak[lay.expert_fp8] * GROUPED_GEMM_EFFICIENCY[lay.moe_path])
+                + grouped / (peak[lay.expert_fp8] * GROUPED_GEMM_EFFICIENCY[lay.moe_path])
                 + f.core / (peak[False] * ATTENTION_EFFICIENCY))
 
 
@@ -133,7 +149,7 @@ def evaluate(name: str, m: Model, lay: Layout, groups: int = 0, topk_groups: int
     colls, a2a = communication.per_step(m, lay, groups, topk_groups)
     recompute = _recompute(m, lay)
     bubble = (lay.pp - 1) / (lay.microbatches + lay.pp - 1) if lay.pp > 1 else 0.0
-    compute = _compute_seconds(f, lay, recompute) / (1 - bubble)
+    compute = _compute_seconds(f, m, lay, recompute) / (1 - bubble)
     hidden = sum(c.seconds for c in colls if c.overlapped)
     exposed = sum(c.seconds for c in colls if not c.overlapped) + max(0.0, hidden - compute)
     return Plan(recipe=name, model=m, layout=lay, flops=f, memory=mem, collectives=colls, a2a=a2a,
