@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from maxtext_moe import advice, corpus, distributed, maxtext_check, maxtext_keys, run_dir, xla_flags
+from maxtext_moe import advice, corpus, distributed, maxtext_check, maxtext_keys, remat, run_dir, xla_flags
 from maxtext_moe.errors import UserError
 from maxtext_moe.progress import Progress
 from maxtext_moe.resolved import ResolvedRecipe
@@ -125,6 +125,8 @@ def train(resolved: ResolvedRecipe, *, force: bool = False, verbose: bool = Fals
             from maxtext_moe.moe import integration
 
             integration.install(resolved.moe)
+            if resolved.moe["attention_residuals"] == "save":
+                remat.install()
         config = maxtext_check.check(maxtext, resolved.sources)
         out(f"{resolved.name}: {config.num_decoder_layers} decoder layers, {resolved.topology.num_devices} device(s) "
             f"of {resolved.topology.hardware}, " + (f"resuming from step {start}" if start else "starting from scratch")

@@ -35,7 +35,7 @@ from maxtext_moe.errors import UserError
 SECTIONS = ("description", "include", "maxtext", "env", "xla_flags", "topology", "corpus", "moe")
 TOPOLOGY_FIELDS = ("hardware", "nodes", "gpus_per_node")
 CORPUS_FIELDS = ("source", "max_mib", "shards")
-MOE_FIELDS = ("impl", "gemm", "te_gemm_path", "fp8", "exchange")
+MOE_FIELDS = ("impl", "gemm", "te_gemm_path", "fp8", "exchange", "attention_residuals")
 FIELDS = {"topology": TOPOLOGY_FIELDS, "corpus": CORPUS_FIELDS, "moe": MOE_FIELDS}  # sections with fixed fields
 # Command-line prefixes that address a section other than `maxtext`.
 PREFIXES = {"env": "env", "xla": "xla_flags", "xla_flags": "xla_flags", "topology": "topology", "corpus": "corpus",

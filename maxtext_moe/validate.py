@@ -26,7 +26,10 @@ FP8_QUANTIZATIONS = {"fp8", "fp8_e4m3", "fp8_e5m2", "nanoo_fp8", "fp8_nanoo", "f
 MXFP8 = "te_mxfp8"
 
 MOE_CHOICES = {"impl": ("maxtext", "ours"), "gemm": ("te", "tokamax", "ragged_dot"), "te_gemm_path": ("auto", "v1", "v2"),
-               "fp8": ("none", "current_scaling"), "exchange": ("auto", "all_to_all", "ragged_all_to_all")}
+               "fp8": ("none", "current_scaling"), "exchange": ("auto", "all_to_all", "ragged_all_to_all"),
+               "attention_residuals": ("recompute", "save")}
+# Attention kernels whose forward outputs `moe.attention_residuals: save` keeps (remat.ATTENTION_FORWARD_PRIMITIVES)
+FLASH_ATTENTION = ("cudnn_flash_jax", "cudnn_flash_te")
 
 # key -> (predicate, what the value must be)
 RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
@@ -265,8 +268,14 @@ def _moe(comp: Composition, check: _Checker, hw: Hardware) -> dict[str, Any]:
         check.fail("scan_layers", "is true, but with moe.gemm: te and expert parallelism XLA's compiler crashes "
                                   "(segmentation fault) on scanned decoder layers; unrolled layers train.",
                    "set scan_layers: false, or moe.gemm: tokamax.")
+    residuals = sec["attention_residuals"].value if "attention_residuals" in sec else "recompute"
+    if residuals == "save" and check.value("attention") not in FLASH_ATTENTION:
+        raise UserError(f"is save, but attention is {check.value('attention')!r}; only cuDNN flash attention's forward "
+                        "outputs are kept this way.", key="moe.attention_residuals",
+                        source=sec["attention_residuals"].source,
+                        fix=f"set attention to one of {', '.join(FLASH_ATTENTION)}, or moe.attention_residuals: recompute.")
     return {"impl": impl, "gemm": gemm, "te_gemm_path": sec["te_gemm_path"].value if "te_gemm_path" in sec else "auto",
-            "fp8": fp8, "exchange": exchange}
+            "fp8": fp8, "exchange": exchange, "attention_residuals": residuals}
 
 
 def _env(comp: Composition) -> dict[str, str]:

@@ -124,6 +124,15 @@ def _mesh(r: ResolvedRecipe, devices: int) -> dict[str, int]:
 
 
 def _remat(r: ResolvedRecipe) -> dict[str, str]:
+    """Where each named tensor lives under the recipe's policy; `moe.attention_residuals: save` keeps the
+    attention output (and its statistics) on the device whatever the policy (`remat.py`)."""
+    choices = _policy_tensors(r)
+    if r.moe.get("attention_residuals") == "save":
+        choices["context"] = "device"
+    return choices
+
+
+def _policy_tensors(r: ResolvedRecipe) -> dict[str, str]:
     policy = str(r.effective("remat_policy"))
     if policy == "custom":
         choices = {t: str(r.effective(t)) for t in REMAT_TENSORS}
