@@ -220,6 +220,19 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+_REYIELDED = "generator didn't stop after throw()"
+
+
+def _underlying(e: BaseException) -> BaseException:
+    """The failure to report for `e`. MaxText 0.2.5's `transformer_engine_context` (utils/max_utils.py, entered
+    on GPUs whenever TE imports) wraps the training loop in `try: ... yield / except Exception: yield`, so
+    any error in the loop (an out-of-memory, say) reaches us as contextlib's RuntimeError about a
+    generator that yielded twice; the real error is that RuntimeError's context."""
+    while isinstance(e, RuntimeError) and str(e) == _REYIELDED and e.__context__ is not None:
+        e = e.__context__
+    return e
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     try:
@@ -236,5 +249,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - a bug or an upstream failure: one line unless --traceback
         if args.traceback:
             raise
-        print(f"maxtext-moe: error: {type(e).__name__}: {e} (run with --traceback for details)", file=sys.stderr)
+        shown = _underlying(e)
+        if isinstance(shown, UserError):
+            print(f"maxtext-moe: error: {shown}", file=sys.stderr)
+            return 2
+        print(f"maxtext-moe: error: {type(shown).__name__}: {shown} (run with --traceback for details)",
+              file=sys.stderr)
         return 1

@@ -49,3 +49,36 @@ def test_traceback_flag_shows_the_stack():
     r = run_cli("--traceback", "show", "no-such-recipe")
     assert r.returncode == 2
     assert "Traceback (most recent call last)" in r.stderr and "UserError" in r.stderr
+
+
+def test_an_error_inside_a_context_that_yields_twice_is_reported_itself(monkeypatch, capsys):
+    """On GPUs MaxText runs its loop inside a context manager that catches and yields again; contextlib then
+    raises "generator didn't stop after throw()". The CLI reports the error that started it (an out-of-memory
+    seen on two H200s), and our own errors keep their one-line form."""
+    import argparse
+    import contextlib
+
+    from maxtext_moe import cli
+    from maxtext_moe.errors import UserError
+
+    @contextlib.contextmanager
+    def yields_twice():  # the shape of maxtext.utils.max_utils.transformer_engine_context
+        try:
+            yield
+        except Exception:
+            yield
+
+    def failing(error: Exception):
+        def run(_args):
+            with yields_twice():
+                raise error
+        return run
+
+    for error, status, line in ((MemoryError("RESOURCE_EXHAUSTED: Out of memory"), 1,
+                                 "maxtext-moe: error: MemoryError: RESOURCE_EXHAUSTED: Out of memory"),
+                                (UserError("EP receive buffer overflow", key="ragged_buffer_factor"), 2,
+                                 "maxtext-moe: error: ragged_buffer_factor: EP receive buffer overflow")):
+        monkeypatch.setattr(cli, "_parse", lambda argv, e=error: argparse.Namespace(func=failing(e), traceback=False))
+        assert cli.main([]) == status
+        err = capsys.readouterr().err
+        assert err.startswith(line) and "generator" not in err
