@@ -200,12 +200,16 @@ def test_every_recipe_file_is_a_mapping_with_a_description():
 def test_moe_section_defaults_and_checks():
     assert compose_resolve(TINY).moe == {"impl": "maxtext"}
     r = compose_resolve(TINY, "moe.impl=ours")
-    assert r.moe == {"impl": "ours", "gemm": "ragged_dot", "te_gemm_path": "auto", "fp8": "none", "exchange": "auto"}
+    assert r.moe == {"impl": "ours", "gemm": "ragged_dot", "te_gemm_path": "auto", "fp8": "none", "exchange": "auto",
+                     "attention_residuals": "recompute"}
     assert r.sources["moe.gemm"] == "default for cpu"
     assert "moe.impl: must be one of maxtext, ours, got 'mine'." in error_of(TINY, "moe.impl=mine")
     assert "moe.gemm: applies only to moe.impl: ours" in error_of(TINY, "moe.gemm=tokamax")
     assert "moe.gemm: is te, but Transformer Engine's grouped GEMM needs an NVIDIA GPU" in \
         error_of(TINY, "moe.impl=ours", "moe.gemm=te")
+    assert "moe.attention_residuals: is save, but attention is 'dot_product'" in \
+        error_of(TINY, "moe.impl=ours", "moe.attention_residuals=save", "attention=dot_product")
+    assert compose_resolve("deepseek3-proxy-h200-1gpu").moe["attention_residuals"] == "save"
     ep = ("moe.impl=ours", "topology.gpus_per_node=2", "ici_expert_parallelism=2", "ici_fsdp_parallelism=1")
     assert compose_resolve(TINY, *ep).maxtext["ici_expert_parallelism"] == 2
     assert "use_ring_of_experts: is true, but moe.impl: ours does its own expert-parallel dispatch" in \
