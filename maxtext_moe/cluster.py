@@ -173,7 +173,7 @@ def check_fits(resolved: ResolvedRecipe) -> None:
             f"of {mem['usable_gib']:.0f} usable, {mem['host_memory_per_gpu_gib']:.0f} GiB host memory per GPU.",
             key="topology.nodes", source=resolved.name,
             fix=f"use more nodes, or see `maxtext-moe plan {resolved.name} topology.nodes={resolved.topology.nodes} "
-                "--search` for layouts that fit; if a run measured that it fits (the estimate runs up to 30% high "
+                "--search` for layouts that fit; if a run measured that it fits (the estimate ran up to 22% high "
                 "for unrolled layers, docs/PLAN.md), pass --skip-fit-check.")
 
 

@@ -145,13 +145,13 @@ def test_launch_refuses_a_layout_the_planner_says_does_not_fit():
 
 
 def test_launch_prints_a_measured_layout_the_planner_rejects_when_asked():
-    """The two-GPU proxy ran at 100.0 GiB per H200 (docs/PERFORMANCE.md) where the planner puts it above the
+    """The one-GPU proxy ran at 110.9 GiB on an H200 (docs/PERFORMANCE.md) where the planner puts it above the
     usable memory: refused by default, with the way out named; printed with --skip-fit-check."""
-    refused = run_cli("launch", "deepseek3-proxy-h200-2gpu", "--slurm", "--nodes", "1", timeout=120)
+    refused = run_cli("launch", "deepseek3-proxy-h200-1gpu", "--slurm", "--nodes", "1", timeout=120)
     assert refused.returncode == 2 and "--skip-fit-check" in refused.stderr
-    r = run_cli("launch", "deepseek3-proxy-h200-2gpu", "--slurm", "--nodes", "1", "--skip-fit-check", timeout=120)
+    r = run_cli("launch", "deepseek3-proxy-h200-1gpu", "--slurm", "--nodes", "1", "--skip-fit-check", timeout=120)
     assert r.returncode == 0, r.stderr
-    assert _sbatch_directives(r.stdout)["gpus-per-node"] == "2"
+    assert _sbatch_directives(r.stdout)["gpus-per-node"] == "1"
 
 
 def test_layout_mismatch_and_incomplete_env_are_user_errors():

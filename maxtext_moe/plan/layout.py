@@ -72,6 +72,7 @@ class Layout:
     offload_params: bool
     dedup_dispatch: bool  # EP sends a token once per destination rank (our block), not once per expert
     dense_exchange: bool  # ours over XLA's plain all-to-all: one block of T rows to every peer (moe.exchange auto)
+    scanned: bool  # MaxText's scan_layers: one loop over the layers, whose backward carries the stacked gradients
 
     @property
     def tokens(self) -> float:
@@ -194,5 +195,6 @@ def from_recipe(r: ResolvedRecipe, gpus: int | None = None, gpu_type: str | None
         offload_optimizer=bool(r.effective("optimizer_memory_host_offload")),
         offload_params=bool(r.effective("parameter_memory_host_offload")),
         dedup_dispatch=r.moe["impl"] == "ours",
+        scanned=bool(r.effective("scan_layers")),
         dense_exchange=r.moe["impl"] == "ours" and r.moe.get("exchange", "auto") != "ragged_all_to_all",
     )

@@ -72,6 +72,22 @@ def _working_set(sizes: dict[str, float], remat: dict[str, str]) -> float:
     return sum(sizes.values()) + sum(s for t, s in sizes.items() if remat[t] != "device")
 
 
+UNROLLED_GRADIENTS = "gradients (beyond the activations freed before them)"
+
+
+def _gradients_fill_as_activations_free(device: dict[str, float]) -> None:
+    """Unrolled layers: XLA frees each layer's saved tensors during that layer's backward, while its parameter
+    gradients appear; the step peaks at the start of the backward, before any gradient exists, so the
+    gradients count only where they outgrow the activations. Scanned, the backward loop carries the stacked
+    gradients of every layer from its first iteration, next to the saved tensors: counted in full.
+    Measured (docs/PLAN.md): unrolled, counting them in full put the one-H200 proxy 29-30% high and the
+    two-H200 EP2 proxy 17-20% high."""
+    grads = device.pop("gradients")
+    activations = sum(device[k] for k in ("saved activations (remat policy)", "layer working set (recompute + MoE dispatch)",
+                                          "logits + loss"))
+    device[UNROLLED_GRADIENTS] = max(0.0, grads - activations)
+
+
 def per_gpu(m: Model, lay: Layout) -> Memory:
     """Memory of one GPU under `lay` (the most loaded pipeline stage: it also holds embedding and head)."""
     shard = lay.fsdp * lay.ep * lay.tp
@@ -107,6 +123,8 @@ def per_gpu(m: Model, lay: Layout) -> Memory:
     device["layer working set (recompute + MoE dispatch)"] = micro_tokens * working * act
     device["gathered FSDP weights"] = gathered * lay.weight_bytes * GATHERED_LAYER_COPIES if lay.fsdp > 1 else 0.0
     device["logits + loss"] = logits
+    if not lay.scanned:
+        _gradients_fill_as_activations_free(device)
     if saved_host:
         host["offloaded activations"] = stage_tokens * saved_host * act
     return Memory(device=device, host=host)
