@@ -254,3 +254,17 @@ def test_advice_names_the_scanned_te_step_that_computes_gemms_twice():
     shown = subprocess.run([sys.executable, "-m", "maxtext_moe", "show", "deepseek3-proxy-h200-1gpu", "scan_layers=true"],
                            capture_output=True, text=True, check=True).stdout
     assert shown.splitlines()[-1] == f"# {note}"
+
+
+def test_advice_names_the_uncapped_ep_buffer_and_the_attention_rerun():
+    from maxtext_moe import advice
+
+    two, one = "deepseek3-proxy-h200-2gpu", "deepseek3-proxy-h200-1gpu"
+    assert advice.notes(compose_resolve(two)) == []  # capped at 1.1, attention residuals kept: as measured
+    (note,) = advice.notes(compose_resolve(two, "ragged_buffer_factor=-1"))
+    assert "ragged_buffer_factor is -1" in note and "EP x the routed rows" in note
+    assert advice.notes(compose_resolve(two, "ragged_buffer_factor=-1", "moe.gemm=tokamax")) == []  # tokamax skips them
+    (note,) = advice.notes(compose_resolve(one, "moe.attention_residuals=recompute"))
+    assert "reruns the attention forward kernel" in note and "moe.attention_residuals: save" in note
+    assert advice.notes(compose_resolve(one, "moe.attention_residuals=recompute", "remat_policy=full")) == []
+    assert advice.notes(compose_resolve(one, "moe.impl=maxtext")) == []  # MaxText's block as it is
