@@ -76,12 +76,12 @@ UNROLLED_GRADIENTS = "gradients (beyond the activations freed before them)"
 
 
 def _gradients_fill_as_activations_free(device: dict[str, float]) -> None:
-    """Unrolled layers: XLA frees each layer's saved tensors during that layer's backward, while its parameter
-    gradients appear; the step peaks at the start of the backward, before any gradient exists, so the
+    """Unrolled layers: each layer's saved tensors can be freed during that layer's backward, as its parameter
+    gradients appear, so the peak can come at the start of the backward, before any gradient exists; the
     gradients count only where they outgrow the activations. Scanned, the backward loop carries the stacked
     gradients of every layer from its first iteration, next to the saved tensors: counted in full.
-    Measured (docs/PLAN.md): unrolled, counting them in full put the one-H200 proxy 29-30% high and the
-    two-H200 EP2 proxy 17-20% high."""
+    Not read from XLA's buffer assignment; fitted to measured peaks (docs/PLAN.md): unrolled, counting the
+    gradients in full put the one-H200 proxy 29-30% high and the two-H200 EP2 proxy 17-20% high."""
     grads = device.pop("gradients")
     activations = sum(device[k] for k in ("saved activations (remat policy)", "layer working set (recompute + MoE dispatch)",
                                           "logits + loss"))
