@@ -10,20 +10,23 @@ import argparse
 import json
 import sys
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-from maxtext_moe import __version__, advice, recipe
+from maxtext_moe import __version__
 from maxtext_moe.errors import UserError
-from maxtext_moe.resolved import ResolvedRecipe
+from maxtext_moe.recipe import advice, composition
+from maxtext_moe.recipe.resolved import ResolvedRecipe
+from maxtext_moe.upstream import maxtext_errors
 
 DEFAULT_RECIPE = "deepseek3-tiny-cpu"
 
 
 def resolve(ref: str, overrides: Sequence[str]) -> ResolvedRecipe:
-    from maxtext_moe.validate import resolve as _resolve
+    from maxtext_moe.recipe.validate import resolve as _resolve
 
-    return _resolve(recipe.compose(ref, overrides))
+    return _resolve(composition.compose(ref, overrides))
 
 
 def _split_recipe(args: list[str]) -> tuple[str, list[str]]:
@@ -41,13 +44,19 @@ def render_show(r: ResolvedRecipe) -> str:
     """The resolved recipe as YAML, each value annotated with the file or override it came from."""
     lines = [f"# recipe {r.name}: {r.description}", f"# composed from: {', '.join(r.files)}"]
     t = r.topology
-    lines += ["topology:",
-              f"  hardware: {t.hardware}  # {r.sources.get('topology.hardware', '')}",
-              f"  nodes: {t.nodes}  # {r.sources.get('topology.nodes', 'default')}",
-              f"  gpus_per_node: {t.gpus_per_node}  # {r.sources.get('topology.gpus_per_node', 'hardware default')}",
-              f"  # {t.num_devices} device(s) in all"]
-    for section, values, prefix in (("maxtext", r.maxtext, "maxtext"), ("env", r.env, "env"),
-                                    ("corpus", r.corpus or {}, "corpus"), ("moe", r.moe, "moe")):
+    lines += [
+        "topology:",
+        f"  hardware: {t.hardware}  # {r.sources.get('topology.hardware', '')}",
+        f"  nodes: {t.nodes}  # {r.sources.get('topology.nodes', 'default')}",
+        f"  gpus_per_node: {t.gpus_per_node}  # {r.sources.get('topology.gpus_per_node', 'hardware default')}",
+        f"  # {t.num_devices} device(s) in all",
+    ]
+    for section, values, prefix in (
+        ("maxtext", r.maxtext, "maxtext"),
+        ("env", r.env, "env"),
+        ("corpus", r.corpus or {}, "corpus"),
+        ("moe", r.moe, "moe"),
+    ):
         if not values:
             continue
         lines.append(f"{section}:")
@@ -60,10 +69,10 @@ def render_show(r: ResolvedRecipe) -> str:
 
 
 def cmd_list(_: argparse.Namespace) -> int:
-    names = recipe.recipe_names()
+    names = composition.recipe_names()
     width = max(len(n) for n in names)
     for name in names:
-        desc = str(recipe.load_yaml(recipe.find_recipe(name)).get("description", "")).strip().splitlines()
+        desc = str(composition.load_yaml(composition.find_recipe(name)).get("description", "")).strip().splitlines()
         marker = " (default)" if name == DEFAULT_RECIPE else ""
         print(f"{name.ljust(width)}  {desc[0] if desc else ''}{marker}")
     return 0
@@ -76,27 +85,27 @@ def cmd_show(a: argparse.Namespace) -> int:
 
 
 def cmd_train(a: argparse.Namespace) -> int:
-    from maxtext_moe import launch
+    from maxtext_moe.run import train
 
     ref, overrides = _split_recipe(a.args)
     try:
-        launch.train(resolve(ref, overrides), force=a.force, verbose=a.verbose)
-    except launch.Stopped as e:
+        train.train(resolve(ref, overrides), force=a.force, verbose=a.verbose)
+    except train.Stopped as e:
         print(f"maxtext-moe: {e}", file=sys.stderr)
         return 143  # 128 + SIGTERM: the run did not finish, and nothing is lost
     return 0
 
 
 def cmd_checkpoints(a: argparse.Namespace) -> int:
-    from maxtext_moe import launch, run_dir
+    from maxtext_moe.run import run_dir, train
 
     ref, overrides = _split_recipe(a.args)
-    print(run_dir.describe(launch.run_paths(resolve(ref, overrides)).run))
+    print(run_dir.describe(train.run_paths(resolve(ref, overrides)).run))
     return 0
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    from maxtext_moe import bench
+    from maxtext_moe.tools import bench
 
     result = bench.run(resolve(a.recipe, a.overrides), steps=a.steps, warmup=a.warmup, profile=a.profile)
     if result is None:  # not the reporting process of a multi-process run
@@ -105,26 +114,28 @@ def cmd_bench(a: argparse.Namespace) -> int:
         bench.write_json(result, Path(a.out))
     print(json.dumps(result.to_json(), indent=2, default=str) if a.json else result.render())
     if not result.loss_finite_and_falling:
-        raise UserError(f"the loss was not finite and falling over the timed steps ({result.loss_first:.4f} -> "
-                        f"{result.loss_last:.4f}); a benchmark of a model that does not learn is void.",
-                        fix="check the learning rate and the data.")
+        raise UserError(
+            f"the loss was not finite and falling over the timed steps ({result.loss_first:.4f} -> "
+            f"{result.loss_last:.4f}); a benchmark of a model that does not learn is void.",
+            fix="check the learning rate and the data.",
+        )
     return 0
 
 
 def cmd_doctor(a: argparse.Namespace) -> int:
-    from maxtext_moe import doctor
+    from maxtext_moe.tools import doctor
 
     ref, overrides = _split_recipe(a.args)
     return doctor.run(resolve(ref, overrides), as_json=a.json)
 
 
 def cmd_launch(a: argparse.Namespace) -> int:
-    from maxtext_moe import cluster
+    from maxtext_moe.tools import launch
 
     resolved = resolve(a.recipe, [*a.overrides, f"topology.nodes={a.nodes}"])
     if not a.skip_fit_check:
-        cluster.check_fits(resolved)
-    print(cluster.render(resolved, "slurm" if a.slurm else "k8s", image=a.image, time=a.time), end="")
+        launch.check_fits(resolved)
+    print(launch.render(resolved, "slurm" if a.slurm else "k8s", image=a.image, time=a.time), end="")
     return 0
 
 
@@ -147,11 +158,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--traceback", action="store_true", help="show the full Python traceback on errors")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    t = sub.add_parser("train", help="train a recipe (default: the tiny CPU DeepSeek-V3)",
-                       description="Train RECIPE (default %s), resuming from its latest checkpoint." % DEFAULT_RECIPE)
+    t = sub.add_parser(
+        "train",
+        help="train a recipe (default: the tiny CPU DeepSeek-V3)",
+        description=f"Train RECIPE (default {DEFAULT_RECIPE}), resuming from its latest checkpoint.",
+    )
     t.add_argument("args", nargs="*", metavar="[RECIPE] [key=value]", help="recipe name or .yml path, then overrides")
-    t.add_argument("--force", action="store_true",
-                   help="if the run folder holds another recipe's checkpoints, set them aside (renamed) and start fresh")
+    t.add_argument(
+        "--force",
+        action="store_true",
+        help="if the run folder holds another recipe's checkpoints, set them aside (renamed) and start fresh",
+    )
     t.add_argument("--verbose", action="store_true", help="stream MaxText's full log to the terminal")
     t.set_defaults(func=cmd_train)
 
@@ -175,19 +192,27 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true", help="machine-readable output")
     d.set_defaults(func=cmd_doctor)
 
-    la = sub.add_parser("launch", help="print the SLURM batch script or Kubernetes Job that trains RECIPE on N nodes",
-                        description="Print the job for RECIPE on --nodes N, after the planner has checked that it fits.")
+    la = sub.add_parser(
+        "launch",
+        help="print the SLURM batch script or Kubernetes Job that trains RECIPE on N nodes",
+        description="Print the job for RECIPE on --nodes N, after the planner has checked that it fits.",
+    )
     la.add_argument("recipe", help="recipe name or .yml path")
     la.add_argument("overrides", nargs="*", metavar="key=value")
     target = la.add_mutually_exclusive_group(required=True)
     target.add_argument("--slurm", action="store_true", help="sbatch script: pyxis/enroot container, one task per GPU")
-    target.add_argument("--k8s", action="store_true", help="indexed Job + headless coordinator Service, one pod per node")
+    target.add_argument(
+        "--k8s", action="store_true", help="indexed Job + headless coordinator Service, one pod per node"
+    )
     la.add_argument("--nodes", type=int, required=True, help="number of nodes (sets topology.nodes)")
     la.add_argument("--image", help="container image (default: what scripts/build_container.sh produces)")
     la.add_argument("--time", default="04:00:00", help="SLURM time limit (default %(default)s)")
-    la.add_argument("--skip-fit-check", action="store_true",
-                    help="print the job even when the planner's memory estimate says it does not fit (it is an "
-                         "estimate; docs/PLAN.md gives its measured error)")
+    la.add_argument(
+        "--skip-fit-check",
+        action="store_true",
+        help="print the job even when the planner's memory estimate says it does not fit (it is an "
+        "estimate; docs/PLAN.md gives its measured error)",
+    )
     la.set_defaults(func=cmd_launch)
 
     b = sub.add_parser("bench", help="time warm-up + N real training steps and report them against the plan")
@@ -195,14 +220,17 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("overrides", nargs="*", metavar="key=value")
     b.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
     b.add_argument("--warmup", type=int, default=3, help="untimed steps first: compilation, autotuning (default 3)")
-    b.add_argument("--profile", action="store_true",
-                   help="trace warm-up steps 1-2 and report device time by kernel category (the timed steps stay untraced)")
+    b.add_argument(
+        "--profile",
+        action="store_true",
+        help="trace warm-up steps 1-2 and report device time by kernel category (the timed steps stay untraced)",
+    )
     b.add_argument("--json", action="store_true", help="machine-readable output")
     b.add_argument("--out", help="also write the JSON result to this file")
     b.set_defaults(func=cmd_bench)
 
     c = sub.add_parser("checkpoints", help="list a run's Orbax checkpoints, their state and what a re-run resumes from")
-    c.add_argument("args", nargs="*", metavar="[RECIPE] [key=value]", help="as for train (default %s)" % DEFAULT_RECIPE)
+    c.add_argument("args", nargs="*", metavar="[RECIPE] [key=value]", help=f"as for train (default {DEFAULT_RECIPE})")
     c.set_defaults(func=cmd_checkpoints)
 
     ls = sub.add_parser("list", help="list the recipes")
@@ -224,19 +252,6 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-_REYIELDED = "generator didn't stop after throw()"
-
-
-def _underlying(e: BaseException) -> BaseException:
-    """The failure to report for `e`. MaxText 0.2.5's `transformer_engine_context` (utils/max_utils.py, entered
-    on GPUs whenever TE imports) wraps the training loop in `try: ... yield / except Exception: yield`, so
-    any error in the loop (an out-of-memory, say) reaches us as contextlib's RuntimeError about a
-    generator that yielded twice; the real error is that RuntimeError's context."""
-    while isinstance(e, RuntimeError) and str(e) == _REYIELDED and e.__context__ is not None:
-        e = e.__context__
-    return e
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     try:
@@ -247,16 +262,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"maxtext-moe: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("maxtext-moe: interrupted; the latest complete checkpoint is kept and a re-run resumes from it.",
-              file=sys.stderr)
+        print(
+            "maxtext-moe: interrupted; the latest complete checkpoint is kept and a re-run resumes from it.",
+            file=sys.stderr,
+        )
         return 130
     except Exception as e:  # noqa: BLE001 - a bug or an upstream failure: one line unless --traceback
         if args.traceback:
             raise
-        shown = _underlying(e)
+        shown = maxtext_errors.underlying(e)
         if isinstance(shown, UserError):
             print(f"maxtext-moe: error: {shown}", file=sys.stderr)
             return 2
-        print(f"maxtext-moe: error: {type(shown).__name__}: {shown} (run with --traceback for details)",
-              file=sys.stderr)
+        print(
+            f"maxtext-moe: error: {type(shown).__name__}: {shown} (run with --traceback for details)", file=sys.stderr
+        )
         return 1

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Fresh machine -> the full test suite (CPU). Extra arguments go to pytest, e.g. scripts/test.sh -m "not slow"
+# Fresh machine -> lint (ruff check, ruff format --check), then the full test suite (CPU).
+# Extra arguments go to pytest, e.g. scripts/test.sh -m "not slow"
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 py=$("$root/scripts/setup.sh" | tail -n 1)
 cd "$root"
+"$py" -m ruff check .
+"$py" -m ruff format --check .
 exec "$py" -m pytest "$@"

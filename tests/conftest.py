@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from maxtext_moe import progress
+from maxtext_moe.run import progress
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -18,11 +18,19 @@ REPO = Path(__file__).resolve().parents[1]
 FAST = ["per_device_batch_size=2", "max_target_length=128", "log_period=5"]
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, cwd: Path | None = None, timeout: int = 600, env: dict | None = None
+) -> subprocess.CompletedProcess:
     """`python -m maxtext_moe ARGS` as a user would run it."""
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-    return subprocess.run([sys.executable, "-m", "maxtext_moe", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env=full_env)
+    return subprocess.run(
+        [sys.executable, "-m", "maxtext_moe", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+    )
 
 
 def read_metrics(run_dir: Path) -> dict[int, dict]:
@@ -37,8 +45,8 @@ def tensorboard_tags(event_file: Path) -> set[str]:
     data = event_file.read_bytes()
     tags, pos = set(), 0
     while pos + 12 <= len(data):
-        (length,) = struct.unpack("<Q", data[pos:pos + 8])
-        event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
+        (length,) = struct.unpack("<Q", data[pos : pos + 8])
+        event = event_pb2.Event.FromString(data[pos + 12 : pos + 12 + length])
         tags |= {v.tag for v in event.summary.value}
         pos += 12 + length + 4
     return tags

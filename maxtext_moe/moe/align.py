@@ -19,7 +19,8 @@ its inverse (no scatter-add).
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -94,8 +95,13 @@ def unpad_rows(y: jax.Array, a: GroupAlignment) -> jax.Array:
     return _take_rows(y, a.dest, a.src)
 
 
-def aligned(gemm: Callable[[jax.Array, jax.Array, jax.Array], jax.Array], x_sorted: jax.Array, w: jax.Array,
-            group_sizes: jax.Array, align: int) -> jax.Array:
+def aligned(
+    gemm: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
+    x_sorted: jax.Array,
+    w: jax.Array,
+    group_sizes: jax.Array,
+    align: int,
+) -> jax.Array:
     """`gemm(x, w, group_sizes)` run on the rows padded to `align` per group, its output unpadded: the same
     [M, N] result as on the unpadded rows, for a grouped GEMM that needs aligned groups."""
     a = align_groups(group_sizes, x_sorted.shape[0], align)

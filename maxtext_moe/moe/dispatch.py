@@ -48,8 +48,15 @@ from jax.sharding import PartitionSpec as P
 
 from maxtext_moe.errors import UserError
 from maxtext_moe.moe.gemm import Backend, Fp8
-from maxtext_moe.moe.layer import (MoEConfig, Params, expert_mlp, gate_logits, permute_rows, shared_expert,
-                                   sort_by_expert)
+from maxtext_moe.moe.layer import (
+    MoEConfig,
+    Params,
+    expert_mlp,
+    gate_logits,
+    permute_rows,
+    shared_expert,
+    sort_by_expert,
+)
 from maxtext_moe.moe.routing import Routing, route
 
 Impl = Literal["all_to_all", "ragged_all_to_all", "emulated"]
@@ -57,9 +64,11 @@ IMPLS: tuple[Impl, ...] = ("all_to_all", "ragged_all_to_all", "emulated")
 EP_AXIS = "expert"  # MaxText's name for the expert-parallel mesh axis
 
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["send_counts", "send_offsets", "row_token", "row_experts", "row_weights"],
-                   meta_fields=["top_k", "peer_rows"])
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["send_counts", "send_offsets", "row_token", "row_experts", "row_weights"],
+    meta_fields=["top_k", "peer_rows"],
+)
 @dataclasses.dataclass(frozen=True)
 class DispatchPlan:
     """What one source rank sends. N send rows, grouped by destination rank in rank order, padding last.
@@ -86,16 +95,20 @@ class DispatchPlan:
 def local_experts(num_experts: int, ranks: int) -> int:
     """Experts per rank, L = E / R; refuses a split that would leave ranks with different shards."""
     if ranks < 1 or num_experts % ranks:
-        raise UserError(f"expert parallelism {ranks} does not divide num_experts={num_experts}.",
-                        fix="choose an expert-parallel size that divides the number of experts.")
+        raise UserError(
+            f"expert parallelism {ranks} does not divide num_experts={num_experts}.",
+            fix="choose an expert-parallel size that divides the number of experts.",
+        )
     return num_experts // ranks
 
 
 def _raise_if_lost(total: np.ndarray, expected: int, where: str) -> None:
     if int(total) != expected:
-        raise UserError(f"EP dispatch is not dropless: {where} holds {int(total)} (token, expert) copies, expected "
-                        f"{expected} (tokens x top-k); the dispatch plan is inconsistent or an expert index is "
-                        "outside [0, num_experts).")
+        raise UserError(
+            f"EP dispatch is not dropless: {where} holds {int(total)} (token, expert) copies, expected "
+            f"{expected} (tokens x top-k); the dispatch plan is inconsistent or an expert index is "
+            "outside [0, num_experts)."
+        )
 
 
 def _check_dropless(total: jax.Array, expected: int, where: str) -> None:
@@ -112,8 +125,9 @@ def peer_rows(tokens: int, top_k: int, num_local: int, dedup: bool) -> int:
     return tokens if dedup else tokens * min(top_k, num_local)
 
 
-def plan_dispatch(expert_ids: jax.Array, weights: jax.Array, num_experts: int, ranks: int, *,
-                  dedup: bool = True, check: bool = True) -> DispatchPlan:
+def plan_dispatch(
+    expert_ids: jax.Array, weights: jax.Array, num_experts: int, ranks: int, *, dedup: bool = True, check: bool = True
+) -> DispatchPlan:
     """Plan one source rank's sends from its routing (`expert_ids`, `weights`: [T, k]).
 
     With `dedup`, a token sends one row to each rank holding any of its experts, with S = min(k, L) slots;
@@ -123,10 +137,17 @@ def plan_dispatch(expert_ids: jax.Array, weights: jax.Array, num_experts: int, r
     tokens, k = expert_ids.shape
     num_local = local_experts(num_experts, ranks)
     if not dedup:
-        copies = plan_dispatch(expert_ids.reshape(tokens * k, 1), weights.reshape(tokens * k, 1), num_experts,
-                               ranks, dedup=True, check=check)
-        return dataclasses.replace(copies, row_token=copies.row_token // k, top_k=k,
-                                   peer_rows=peer_rows(tokens, k, num_local, dedup=False))
+        copies = plan_dispatch(
+            expert_ids.reshape(tokens * k, 1),
+            weights.reshape(tokens * k, 1),
+            num_experts,
+            ranks,
+            dedup=True,
+            check=check,
+        )
+        return dataclasses.replace(
+            copies, row_token=copies.row_token // k, top_k=k, peer_rows=peer_rows(tokens, k, num_local, dedup=False)
+        )
     slots = min(k, num_local)
     hit = expert_ids[:, None, :] // num_local == jnp.arange(ranks)[None, :, None]  # [T, R, k]
     # For each (token, rank), the positions j of the token's experts on that rank, first S of them.
@@ -149,7 +170,9 @@ def plan_dispatch(expert_ids: jax.Array, weights: jax.Array, num_experts: int, r
         row_token=jnp.where(real, order % tokens, 0).astype(jnp.int32),
         row_experts=jnp.where(real[:, None], by_rank(experts), -1).astype(jnp.int32),
         row_weights=jnp.where(real[:, None], by_rank(wts), 0),
-        top_k=k, peer_rows=peer_rows(tokens, k, num_local, dedup=True))
+        top_k=k,
+        peer_rows=peer_rows(tokens, k, num_local, dedup=True),
+    )
     if check:
         _check_dropless(jnp.sum(plan.row_experts >= 0), tokens * k, "the dispatch plan")
     return plan
@@ -164,8 +187,9 @@ def _transpose(v: jax.Array, axis_name: str) -> jax.Array:
     return jax.lax.all_gather(v, axis_name)[:, jax.lax.axis_index(axis_name)]
 
 
-def _received(output_rows: int, output_offsets: jax.Array, recv_sizes: jax.Array,
-              axis_name: str) -> tuple[jax.Array, jax.Array]:
+def _received(
+    output_rows: int, output_offsets: jax.Array, recv_sizes: jax.Array, axis_name: str
+) -> tuple[jax.Array, jax.Array]:
     """Which rows of my output buffer sender s writes ([R, output_rows] bool), and where its rows start
     ([R]): the receive side of one exchange, from the senders' `output_offsets` and my `recv_sizes`."""
     dst_off = _transpose(output_offsets, axis_name)  # where sender s's rows land in my output
@@ -173,9 +197,15 @@ def _received(output_rows: int, output_offsets: jax.Array, recv_sizes: jax.Array
     return (pos >= dst_off[:, None]) & (pos < (dst_off + recv_sizes)[:, None]), dst_off
 
 
-def _emulated_ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offsets: jax.Array,
-                                send_sizes: jax.Array, output_offsets: jax.Array, recv_sizes: jax.Array,
-                                axis_name: str) -> jax.Array:
+def _emulated_ragged_all_to_all(
+    operand: jax.Array,
+    output: jax.Array,
+    input_offsets: jax.Array,
+    send_sizes: jax.Array,
+    output_offsets: jax.Array,
+    recv_sizes: jax.Array,
+    axis_name: str,
+) -> jax.Array:
     """`ragged_all_to_all` from all_gather + gathers: every rank sees all senders' buffers on an explicit
     leading ranks axis and picks its rows. R times the traffic: a reference for the bookkeeping, not a path
     to train on. `send_sizes` enters through its transpose, which by contract equals `recv_sizes`."""
@@ -189,9 +219,16 @@ def _emulated_ragged_all_to_all(operand: jax.Array, output: jax.Array, input_off
     return jnp.where(got, senders[sender, row], output)
 
 
-def _dense_ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offsets: jax.Array,
-                              send_sizes: jax.Array, output_offsets: jax.Array, recv_sizes: jax.Array,
-                              axis_name: str, block: int) -> jax.Array:
+def _dense_ragged_all_to_all(
+    operand: jax.Array,
+    output: jax.Array,
+    input_offsets: jax.Array,
+    send_sizes: jax.Array,
+    output_offsets: jax.Array,
+    recv_sizes: jax.Array,
+    axis_name: str,
+    block: int,
+) -> jax.Array:
     """`ragged_all_to_all` over XLA's plain all-to-all: each destination's rows go in a block of `block`
     rows (at least every send size), the blocks cross in one all-to-all, and each receiver scatters the
     rows that arrived into its output. It sends R * block rows, padding included.
@@ -214,40 +251,71 @@ def _dense_ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offset
     return output.at[dst.reshape(-1)].set(got.reshape(ranks * block, *operand.shape[1:]), mode="drop")
 
 
-def _ragged_exchange(operand: jax.Array, output: jax.Array, input_offsets: jax.Array, send_sizes: jax.Array,
-                     output_offsets: jax.Array, recv_sizes: jax.Array, axis_name: str, impl: Impl,
-                     block: int) -> jax.Array:
+def _ragged_exchange(
+    operand: jax.Array,
+    output: jax.Array,
+    input_offsets: jax.Array,
+    send_sizes: jax.Array,
+    output_offsets: jax.Array,
+    recv_sizes: jax.Array,
+    axis_name: str,
+    impl: Impl,
+    block: int,
+) -> jax.Array:
     if impl == "all_to_all":
-        return _dense_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
-                                        axis_name, block)
+        return _dense_ragged_all_to_all(
+            operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name, block
+        )
     if impl == "ragged_all_to_all":
         # The collective's result takes the output buffer's type; a fresh buffer is the same on every rank,
         # while the rows arriving are not: mark it varying, or shard_map's checks reject our adjoint.
         output = jax.lax.pcast(output, axis_name, to="varying")
-        return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
-                                         axis_name=axis_name)
+        return jax.lax.ragged_all_to_all(
+            operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=axis_name
+        )
     if impl == "emulated":
-        return _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
-                                           axis_name)
+        return _emulated_ragged_all_to_all(
+            operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name
+        )
     raise UserError(f"unknown EP exchange {impl!r}.", fix=f"use one of {', '.join(IMPLS)}.")
 
 
-def _exchange_into_fresh_buffer(operand: jax.Array, input_offsets: jax.Array, send_sizes: jax.Array,
-                                output_offsets: jax.Array, recv_sizes: jax.Array, rows: int, pad: float,
-                                axis_name: str, impl: Impl, block: int) -> jax.Array:
+def _exchange_into_fresh_buffer(
+    operand: jax.Array,
+    input_offsets: jax.Array,
+    send_sizes: jax.Array,
+    output_offsets: jax.Array,
+    recv_sizes: jax.Array,
+    rows: int,
+    pad: float,
+    axis_name: str,
+    impl: Impl,
+    block: int,
+) -> jax.Array:
     output = jnp.full((rows, *operand.shape[1:]), pad, operand.dtype)
-    return _ragged_exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name, impl,
-                            block)
+    return _ragged_exchange(
+        operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name, impl, block
+    )
 
 
 _differentiable_exchange = jax.custom_vjp(_exchange_into_fresh_buffer, nondiff_argnums=(5, 6, 7, 8, 9))
 
 
-def _exchange_fwd(operand: jax.Array, input_offsets: jax.Array, send_sizes: jax.Array, output_offsets: jax.Array,
-                  recv_sizes: jax.Array, rows: int, pad: float, axis_name: str, impl: Impl,
-                  block: int) -> tuple[jax.Array, tuple]:
-    out = _exchange_into_fresh_buffer(operand, input_offsets, send_sizes, output_offsets, recv_sizes, rows, pad,
-                                      axis_name, impl, block)
+def _exchange_fwd(
+    operand: jax.Array,
+    input_offsets: jax.Array,
+    send_sizes: jax.Array,
+    output_offsets: jax.Array,
+    recv_sizes: jax.Array,
+    rows: int,
+    pad: float,
+    axis_name: str,
+    impl: Impl,
+    block: int,
+) -> tuple[jax.Array, tuple]:
+    out = _exchange_into_fresh_buffer(
+        operand, input_offsets, send_sizes, output_offsets, recv_sizes, rows, pad, axis_name, impl, block
+    )
     operand_rows = jnp.zeros((operand.shape[0], 0), operand.dtype)  # carries the operand's row count
     return out, (input_offsets, send_sizes, output_offsets, recv_sizes, operand_rows)
 
@@ -257,17 +325,37 @@ def _exchange_bwd(rows: int, pad: float, axis_name: str, impl: Impl, block: int,
     sizes and offsets swapped, exactly as the combine sends results back. The padding is a constant."""
     input_offsets, send_sizes, output_offsets, recv_sizes, operand_rows = res
     back = jnp.zeros((operand_rows.shape[0], *g.shape[1:]), g.dtype)
-    operand_t = _ragged_exchange(g, back, _transpose(output_offsets, axis_name), recv_sizes,
-                                 _transpose(input_offsets, axis_name), send_sizes, axis_name, impl, block)
+    operand_t = _ragged_exchange(
+        g,
+        back,
+        _transpose(output_offsets, axis_name),
+        recv_sizes,
+        _transpose(input_offsets, axis_name),
+        send_sizes,
+        axis_name,
+        impl,
+        block,
+    )
     return operand_t, None, None, None, None
 
 
 _differentiable_exchange.defvjp(_exchange_fwd, _exchange_bwd)
 
 
-def exchange(operand: jax.Array, input_offsets: jax.Array, send_sizes: jax.Array, output_offsets: jax.Array,
-             recv_sizes: jax.Array, *, rows: int, pad: float = 0, axis_name: str, impl: Impl, block: int,
-             own_adjoint: bool = True) -> jax.Array:
+def exchange(
+    operand: jax.Array,
+    input_offsets: jax.Array,
+    send_sizes: jax.Array,
+    output_offsets: jax.Array,
+    recv_sizes: jax.Array,
+    *,
+    rows: int,
+    pad: float = 0,
+    axis_name: str,
+    impl: Impl,
+    block: int,
+    own_adjoint: bool = True,
+) -> jax.Array:
     """One ragged all-to-all over `axis_name` into a fresh buffer of `rows` rows filled with `pad`; offsets
     and sizes mean what they mean for `jax.lax.ragged_all_to_all`; no send size exceeds `block` rows.
 
@@ -290,8 +378,15 @@ def exchange(operand: jax.Array, input_offsets: jax.Array, send_sizes: jax.Array
     return _differentiable_exchange(*args)
 
 
-def expand_reduce(x: jax.Array, row_experts: jax.Array, row_weights: jax.Array, experts: Params,
-                  backend: Backend, fp8: Fp8 = "none", copies_cap: int | None = None) -> tuple[jax.Array, jax.Array]:
+def expand_reduce(
+    x: jax.Array,
+    row_experts: jax.Array,
+    row_weights: jax.Array,
+    experts: Params,
+    backend: Backend,
+    fp8: Fp8 = "none",
+    copies_cap: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """Receive side: rows [M, D] with slots [M, S] -> (weighted sum of their local experts' outputs [M, D]
     float32, number of valid (row, expert) copies). Empty slots (-1, or out of this rank's [0, L)) sort
     after the L expert groups and are zeroed before the sum.
@@ -337,25 +432,41 @@ def expert_copies(plan: DispatchPlan, tokens: int, buffer_factor: float) -> int 
 
 
 def _raise_overflow(needed: np.ndarray, capacity: int, buffer_factor: float, what: str) -> None:
-    raise UserError(f"EP receive buffer overflow: a rank needs {int(needed)} {what} but its buffer holds {capacity} "
-                    f"(ragged_buffer_factor={buffer_factor}); no row was dropped: this step is stopped instead.",
-                    key="ragged_buffer_factor",
-                    fix="raise ragged_buffer_factor, or set it to -1 for the dropless worst-case buffer.")
+    raise UserError(
+        f"EP receive buffer overflow: a rank needs {int(needed)} {what} but its buffer holds {capacity} "
+        f"(ragged_buffer_factor={buffer_factor}); no row was dropped: this step is stopped instead.",
+        key="ragged_buffer_factor",
+        fix="raise ragged_buffer_factor, or set it to -1 for the dropless worst-case buffer.",
+    )
 
 
 def _guard_capacity(needed: jax.Array, capacity: int, buffer_factor: float, what: str) -> None:
     """Stop the step when some rank needs more than `capacity`. `needed` is the most any rank needs, the
     same value on every rank, so every rank takes the same branch; the host callback runs only when the
     buffer overflows, the common step pays one predicate read."""
-    jax.lax.cond(needed > capacity,
-                 lambda n: jax.debug.callback(functools.partial(_raise_overflow, capacity=capacity,
-                                                                buffer_factor=buffer_factor, what=what), n),
-                 lambda n: None, needed)
+    jax.lax.cond(
+        needed > capacity,
+        lambda n: jax.debug.callback(
+            functools.partial(_raise_overflow, capacity=capacity, buffer_factor=buffer_factor, what=what), n
+        ),
+        lambda n: None,
+        needed,
+    )
 
 
-def ep_routed(x: jax.Array, plan: DispatchPlan, experts: Params, *, backend: Backend, impl: Impl,
-              axis_name: str = EP_AXIS, check: bool = True, buffer_factor: float = -1.0,
-              fp8: Fp8 = "none", own_adjoint: bool = True) -> jax.Array:
+def ep_routed(
+    x: jax.Array,
+    plan: DispatchPlan,
+    experts: Params,
+    *,
+    backend: Backend,
+    impl: Impl,
+    axis_name: str = EP_AXIS,
+    check: bool = True,
+    buffer_factor: float = -1.0,
+    fp8: Fp8 = "none",
+    own_adjoint: bool = True,
+) -> jax.Array:
     """Routed-expert output [T, D] float32 for this rank's tokens `x` [T, D], its `plan`, and its expert
     shard `experts` ({wi_0, wi_1: [L, D, F], wo: [L, F, D]}). Runs per rank under shard_map or vmap.
 
@@ -383,28 +494,57 @@ def ep_routed(x: jax.Array, plan: DispatchPlan, experts: Params, *, backend: Bac
 
     recv_x = send(x[plan.row_token], 0)
     copies_cap = expert_copies(plan, x.shape[0], buffer_factor)
-    y_recv, copies = expand_reduce(recv_x, send(plan.row_experts, -1), send(plan.row_weights, 0), experts, backend,
-                                   fp8, copies_cap)
+    y_recv, copies = expand_reduce(
+        recv_x, send(plan.row_experts, -1), send(plan.row_weights, 0), experts, backend, fp8, copies_cap
+    )
     if copies_cap is not None and copies_cap < capacity * plan.row_experts.shape[1]:
         _guard_capacity(jax.lax.pmax(copies, axis_name), copies_cap, buffer_factor, "(token, expert) copies")
     if check:
         _check_dropless(jax.lax.psum(copies, axis_name), x.shape[0] * plan.top_k * ranks, "the expert ranks together")
-    back = ex(y_recv.astype(x.dtype), recv_offsets, recv_sizes, _transpose(plan.send_offsets, axis_name), send_sizes,
-              rows=plan.row_token.shape[0])
+    back = ex(
+        y_recv.astype(x.dtype),
+        recv_offsets,
+        recv_sizes,
+        _transpose(plan.send_offsets, axis_name),
+        send_sizes,
+        rows=plan.row_token.shape[0],
+    )
     return jax.ops.segment_sum(back.astype(jnp.float32), plan.row_token, num_segments=x.shape[0])
 
 
-def _rank_routed(gate: Params, experts: Params, x: jax.Array, *, cfg: MoEConfig, ranks: int, dedup: bool,
-                 backend: Backend, impl: Impl, axis_name: str, buffer_factor: float,
-                 own_adjoint: bool = True) -> tuple[jax.Array, ...]:
+def _rank_routed(
+    gate: Params,
+    experts: Params,
+    x: jax.Array,
+    *,
+    cfg: MoEConfig,
+    ranks: int,
+    dedup: bool,
+    backend: Backend,
+    impl: Impl,
+    axis_name: str,
+    buffer_factor: float,
+    own_adjoint: bool = True,
+) -> tuple[jax.Array, ...]:
     """`layer.routed_experts` on one rank's tokens `x` [..., D], with the experts spread over the ranks:
     (float32 output shaped like `x`, expert ids and weights [..., k])."""
     tokens = x.reshape(-1, cfg.emb_dim)
     routing = route(gate_logits(tokens, gate["kernel"]), gate["bias"], cfg.routing)
-    plan = plan_dispatch(routing.indices, routing.weights, cfg.routing.num_experts, ranks, dedup=dedup,
-                         check=cfg.check_dropless)
-    routed = ep_routed(tokens, plan, experts, backend=backend, impl=impl, axis_name=axis_name,
-                       check=cfg.check_dropless, buffer_factor=buffer_factor, fp8=cfg.fp8, own_adjoint=own_adjoint)
+    plan = plan_dispatch(
+        routing.indices, routing.weights, cfg.routing.num_experts, ranks, dedup=dedup, check=cfg.check_dropless
+    )
+    routed = ep_routed(
+        tokens,
+        plan,
+        experts,
+        backend=backend,
+        impl=impl,
+        axis_name=axis_name,
+        check=cfg.check_dropless,
+        buffer_factor=buffer_factor,
+        fp8=cfg.fp8,
+        own_adjoint=own_adjoint,
+    )
     lead = x.shape[:-1]
     return routed.reshape(x.shape), routing.indices.reshape(*lead, -1), routing.weights.reshape(*lead, -1)
 
@@ -421,8 +561,10 @@ def _split_tokens(x: jax.Array, cfg: MoEConfig, ranks: int) -> jax.Array:
         raise UserError(f"MoE input width {x.shape[-1]} != emb_dim {cfg.emb_dim}.")
     tokens = x.reshape(-1, cfg.emb_dim)
     if tokens.shape[0] % ranks:
-        raise UserError(f"{tokens.shape[0]} tokens do not split evenly over {ranks} expert-parallel ranks.",
-                        fix="make batch x sequence a multiple of the expert-parallel size.")
+        raise UserError(
+            f"{tokens.shape[0]} tokens do not split evenly over {ranks} expert-parallel ranks.",
+            fix="make batch x sequence a multiple of the expert-parallel size.",
+        )
     return tokens
 
 
@@ -436,8 +578,9 @@ def _routing(indices: jax.Array, weights: jax.Array, cfg: MoEConfig) -> Routing:
 _EXPERT_KEYS = ("wi_0", "wi_1", "wo")
 
 
-def ep_moe_forward_emulated(params: Params, x: jax.Array, cfg: MoEConfig, ranks: int, *, dedup: bool = True,
-                            backend: Backend = "ragged_dot") -> tuple[jax.Array, Routing]:
+def ep_moe_forward_emulated(
+    params: Params, x: jax.Array, cfg: MoEConfig, ranks: int, *, dedup: bool = True, backend: Backend = "ragged_dot"
+) -> tuple[jax.Array, Routing]:
     """`moe_forward` computed as R expert-parallel ranks on one device: tokens split into R contiguous
     slices, experts into R shards, ranks on a leading axis through `vmap`, exchange emulated. The CPU
     reference for the dispatch bookkeeping (XLA:CPU has no ragged_all_to_all)."""
@@ -445,17 +588,37 @@ def ep_moe_forward_emulated(params: Params, x: jax.Array, cfg: MoEConfig, ranks:
     num_local = local_experts(cfg.routing.num_experts, ranks)
     p = params["MoeBlock_0"]
     shards = {n: p[n].reshape(ranks, num_local, *p[n].shape[1:]) for n in _EXPERT_KEYS}
-    body = functools.partial(_rank_forward, cfg=cfg, ranks=ranks, dedup=dedup, backend=backend, impl="emulated",
-                             axis_name=EP_AXIS, buffer_factor=-1.0, own_adjoint=False)
+    body = functools.partial(
+        _rank_forward,
+        cfg=cfg,
+        ranks=ranks,
+        dedup=dedup,
+        backend=backend,
+        impl="emulated",
+        axis_name=EP_AXIS,
+        buffer_factor=-1.0,
+        own_adjoint=False,
+    )
     y, indices, weights = jax.vmap(body, in_axes=(None, 0, None, 0), axis_name=EP_AXIS)(
-        p["gate"], shards, params["shared_experts"], tokens.reshape(ranks, -1, cfg.emb_dim))
+        p["gate"], shards, params["shared_experts"], tokens.reshape(ranks, -1, cfg.emb_dim)
+    )
     return y.reshape(x.shape), _routing(indices, weights, cfg)
 
 
-def ep_routed_sharded(p: Params, x: jax.Array, cfg: MoEConfig, mesh: Mesh, *, token_spec: P,
-                      axis_name: str = EP_AXIS, dedup: bool = True, backend: Backend = "ragged_dot",
-                      impl: Impl = "ragged_all_to_all", buffer_factor: float = -1.0,
-                      check_vma: bool | None = None) -> tuple[jax.Array, Routing]:
+def ep_routed_sharded(
+    p: Params,
+    x: jax.Array,
+    cfg: MoEConfig,
+    mesh: Mesh,
+    *,
+    token_spec: P,
+    axis_name: str = EP_AXIS,
+    dedup: bool = True,
+    backend: Backend = "ragged_dot",
+    impl: Impl = "ragged_all_to_all",
+    buffer_factor: float = -1.0,
+    check_vma: bool | None = None,
+) -> tuple[jax.Array, Routing]:
     """The routed experts (`p`: MaxText's `MoeBlock_0` tree) on `x` [..., D] under `shard_map` over `mesh`:
     (float32 output shaped like `x`, the routing used).
 
@@ -470,34 +633,66 @@ def ep_routed_sharded(p: Params, x: jax.Array, cfg: MoEConfig, mesh: Mesh, *, to
     weight gradients without shard_map's varying-axis type, which JAX then rejects (both seen on two H200s).
     """
     if impl == "ragged_all_to_all" and any(d.platform == "cpu" for d in mesh.devices.flat):
-        raise UserError("ragged_all_to_all is not implemented on XLA:CPU; use the emulated exchange.",
-                        fix="pass impl='emulated' (or ep_moe_forward_emulated) on CPU; the real collective needs GPUs.")
+        raise UserError(
+            "ragged_all_to_all is not implemented on XLA:CPU; use the emulated exchange.",
+            fix="pass impl='emulated' (or ep_moe_forward_emulated) on CPU; the real collective needs GPUs.",
+        )
     ranks = mesh.shape[axis_name]
     local_experts(cfg.routing.num_experts, ranks)  # our message, before shard_map's own about uneven shards
-    body = functools.partial(_rank_routed, cfg=cfg, ranks=ranks, dedup=dedup, backend=backend, impl=impl,
-                             axis_name=axis_name, buffer_factor=buffer_factor)
-    routed, indices, weights = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(axis_name), token_spec),
-                                             out_specs=token_spec,
-                                             check_vma=backend == "ragged_dot" if check_vma is None else check_vma)(
-        p["gate"], {n: p[n] for n in _EXPERT_KEYS}, x)
+    body = functools.partial(
+        _rank_routed,
+        cfg=cfg,
+        ranks=ranks,
+        dedup=dedup,
+        backend=backend,
+        impl=impl,
+        axis_name=axis_name,
+        buffer_factor=buffer_factor,
+    )
+    routed, indices, weights = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(P(), P(axis_name), token_spec),
+        out_specs=token_spec,
+        check_vma=backend == "ragged_dot" if check_vma is None else check_vma,
+    )(p["gate"], {n: p[n] for n in _EXPERT_KEYS}, x)
     return routed, _routing(indices, weights, cfg)
 
 
-def ep_moe_forward_sharded(params: Params, x: jax.Array, cfg: MoEConfig, mesh: Mesh, *, axis_name: str = EP_AXIS,
-                           dedup: bool = True, backend: Backend = "ragged_dot", impl: Impl = "ragged_all_to_all",
-                           buffer_factor: float = -1.0) -> tuple[jax.Array, Routing]:
+def ep_moe_forward_sharded(
+    params: Params,
+    x: jax.Array,
+    cfg: MoEConfig,
+    mesh: Mesh,
+    *,
+    axis_name: str = EP_AXIS,
+    dedup: bool = True,
+    backend: Backend = "ragged_dot",
+    impl: Impl = "ragged_all_to_all",
+    buffer_factor: float = -1.0,
+) -> tuple[jax.Array, Routing]:
     """`moe_forward` with tokens and experts sharded over `mesh` axis `axis_name`: `ep_routed_sharded` on the
     tokens split into contiguous slices, plus the shared expert."""
     tokens = _split_tokens(x, cfg, ranks=mesh.shape[axis_name])
-    routed, routing = ep_routed_sharded(params["MoeBlock_0"], tokens, cfg, mesh, token_spec=P(axis_name),
-                                        axis_name=axis_name, dedup=dedup, backend=backend, impl=impl,
-                                        buffer_factor=buffer_factor)
+    routed, routing = ep_routed_sharded(
+        params["MoeBlock_0"],
+        tokens,
+        cfg,
+        mesh,
+        token_spec=P(axis_name),
+        axis_name=axis_name,
+        dedup=dedup,
+        backend=backend,
+        impl=impl,
+        buffer_factor=buffer_factor,
+    )
     y = routed + shared_expert(tokens, params["shared_experts"]).astype(jnp.float32)
     return y.astype(x.dtype).reshape(x.shape), routing
 
 
-def dispatch_bytes_per_token(expert_ids: jax.Array, num_experts: int, ranks: int, hidden: int, dtype_bytes: int,
-                             dedup: bool) -> float:
+def dispatch_bytes_per_token(
+    expert_ids: jax.Array, num_experts: int, ranks: int, hidden: int, dtype_bytes: int, dedup: bool
+) -> float:
     """Activation bytes per token that cross ranks in the dispatch (the combine returns as many rows).
 
     Tokens `expert_ids` [T, k] are split into R contiguous slices, slice r on rank r (as the EP layer

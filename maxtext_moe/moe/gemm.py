@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
-import sys
 from types import ModuleType
 from typing import Literal
 
@@ -29,6 +28,7 @@ import jax.numpy as jnp
 
 from maxtext_moe.errors import UserError
 from maxtext_moe.moe.align import aligned
+from maxtext_moe.upstream import te
 
 Backend = Literal["ragged_dot", "tokamax", "te"]
 BACKENDS: tuple[Backend, ...] = ("ragged_dot", "tokamax", "te")
@@ -42,7 +42,6 @@ TePath = Literal["v1", "v2"]
 # TE's single-kernel grouped GEMM ("V2", nvte_grouped_gemm) needs cuBLASLt >= 13.4 on Hopper; TE enables it
 # from its compile-time cuBLAS version, so a wheel built against 13.4 fails at run time on an older library.
 TE_V2_MIN_CUBLASLT = 130400
-_TE_GEMM_MODULE = "transformer_engine.jax.cpp_extensions.gemm"
 
 log = logging.getLogger(__name__)
 
@@ -63,38 +62,21 @@ def te_grouped_gemm_path(runtime_cublaslt: int, compiled_v2: bool, requested: st
             raise UserError(
                 f"TE's grouped GEMM V2 needs a TE build with it and cuBLASLt >= {TE_V2_MIN_CUBLASLT}; this machine has "
                 f"cuBLASLt {runtime_cublaslt} (TE built with V2: {compiled_v2}).",
-                fix="use te_gemm_path='auto' or 'v1', or install cuBLAS >= 13.4.")
+                fix="use te_gemm_path='auto' or 'v1', or install cuBLAS >= 13.4.",
+            )
         return "v2"
     raise UserError(f"unknown TE grouped-GEMM path {requested!r}.", fix="use 'auto', 'v1' or 'v2'.")
-
-
-def _import_te():
-    """Import TE's JAX bindings or say what to install; we never fall back to another backend silently."""
-    jax.devices()  # initialise the CUDA plugin first: it loads the cuBLAS/cudart that TE's library binds to
-    try:
-        dense = importlib.import_module("transformer_engine.jax.dense")
-        tex = importlib.import_module("transformer_engine_jax")
-    except ImportError as e:
-        raise UserError(f"backend 'te' needs Transformer Engine's JAX bindings, which do not import here ({e}).",
-                        fix="install transformer-engine[jax]==2.20.2 (pip install '.[gpu]'), or choose "
-                            "backend 'tokamax' or 'ragged_dot'.") from None
-    return dense, tex
 
 
 @functools.cache
 def select_te_grouped_gemm_path(requested: str = "auto") -> TePath:
     """Apply `te_grouped_gemm_path` to the TE in this process, once per process; returns the path chosen.
-
-    TE 2.20.2 has no public switch: it reads the module flag `_v2_grouped_gemm_available` at trace time.
-    Setting it False selects the per-group path. Images with cuBLAS >= 13.4 keep V2 under "auto".
-    """
-    _, tex = _import_te()
-    gemm_mod = sys.modules[_TE_GEMM_MODULE]
-    runtime = int(tex.get_cublasLt_version())
-    path = te_grouped_gemm_path(runtime, bool(gemm_mod._v2_grouped_gemm_available), requested)
-    if path == "v1" and gemm_mod._v2_grouped_gemm_available:
-        gemm_mod._v2_grouped_gemm_available = False
-        gemm_mod._v2_grouped_gemm_available_reason = f"maxtext_moe: per-group path ({requested}, cuBLASLt {runtime})"
+    Images with cuBLAS >= 13.4 keep V2 under "auto"; the switch itself is `upstream.te.use_per_group_gemm`."""
+    runtime = te.runtime_cublaslt()
+    compiled_v2 = te.v2_grouped_gemm_compiled()
+    path = te_grouped_gemm_path(runtime, compiled_v2, requested)
+    if path == "v1" and compiled_v2:
+        te.use_per_group_gemm(f"per-group path ({requested}, cuBLASLt {runtime})")
     log.info("TE grouped GEMM path: %s (requested %s, runtime cuBLASLt %d)", path, requested, runtime)
     return path
 
@@ -107,14 +89,24 @@ def _te_fp8_current_scaling(dense: ModuleType, x_sorted: jax.Array, w: jax.Array
     """
     quantize = importlib.import_module("transformer_engine.jax.quantize")
     quantizers = quantize.QuantizerFactory.create_set(
-        scaling_mode=quantize.ScalingMode.CURRENT_TENSOR_SCALING, fwd_dtype=jnp.float8_e4m3fn,
-        bwd_dtype=jnp.float8_e5m2, n_groups=w.shape[0])
+        scaling_mode=quantize.ScalingMode.CURRENT_TENSOR_SCALING,
+        fwd_dtype=jnp.float8_e4m3fn,
+        bwd_dtype=jnp.float8_e5m2,
+        n_groups=w.shape[0],
+    )
     gemm = lambda xp, wp, sizes: dense.grouped_dense(xp, wp, sizes, quantizer_set=quantizers)  # noqa: E731
     return aligned(gemm, x_sorted, w, group_sizes, FP8_GROUP_ALIGN).astype(x_sorted.dtype)
 
 
-def grouped_matmul(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array, backend: Backend,
-                   fp8: Fp8 = "none", *, partial: bool = False) -> jax.Array:
+def grouped_matmul(
+    x_sorted: jax.Array,
+    w: jax.Array,
+    group_sizes: jax.Array,
+    backend: Backend,
+    fp8: Fp8 = "none",
+    *,
+    partial: bool = False,
+) -> jax.Array:
     """[M, K] rows sorted by group, [G, K, N] weights, [G] int32 sizes -> [M, N] in `x_sorted.dtype`.
 
     Accumulation is float32 in every backend. tokamax runs its Mosaic GPU kernel on GPU (what MaxText's
@@ -128,11 +120,15 @@ def grouped_matmul(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array, ba
     if fp8 not in FP8_MODES:
         raise UserError(f"unknown FP8 mode {fp8!r} for the expert GEMMs.", fix=f"choose one of {', '.join(FP8_MODES)}.")
     if fp8 != "none" and backend != "te":
-        raise UserError(f"FP8 {fp8} expert GEMMs run on TE's grouped GEMM only, not on backend {backend!r}.",
-                        fix="use backend 'te', or fp8 'none'.")
+        raise UserError(
+            f"FP8 {fp8} expert GEMMs run on TE's grouped GEMM only, not on backend {backend!r}.",
+            fix="use backend 'te', or fp8 'none'.",
+        )
     if x_sorted.ndim != 2 or w.ndim != 3 or x_sorted.shape[1] != w.shape[1] or group_sizes.shape != (w.shape[0],):
-        raise UserError(f"grouped_matmul shapes do not fit: x {x_sorted.shape}, w {w.shape}, "
-                        f"group_sizes {group_sizes.shape}; want [M,K], [G,K,N], [G].")
+        raise UserError(
+            f"grouped_matmul shapes do not fit: x {x_sorted.shape}, w {w.shape}, "
+            f"group_sizes {group_sizes.shape}; want [M,K], [G,K,N], [G]."
+        )
     group_sizes = group_sizes.astype(jnp.int32)
     w = w.astype(x_sorted.dtype)
     if partial and backend != "ragged_dot":
@@ -144,11 +140,15 @@ def grouped_matmul(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array, ba
 
         on_gpu = jax.devices()[0].platform == "gpu"
         return tokamax.ragged_dot(
-            x_sorted, w, group_sizes=tokamax.RaggedDotGroupSizes(group_sizes, x_sorted.shape[0]),
-            precision=jax.lax.Precision.DEFAULT, preferred_element_type=x_sorted.dtype,
-            implementation="mosaic" if on_gpu else None)
+            x_sorted,
+            w,
+            group_sizes=tokamax.RaggedDotGroupSizes(group_sizes, x_sorted.shape[0]),
+            precision=jax.lax.Precision.DEFAULT,
+            preferred_element_type=x_sorted.dtype,
+            implementation="mosaic" if on_gpu else None,
+        )
     if backend == "te":
-        dense, _ = _import_te()
+        dense, _ = te.import_te()
         select_te_grouped_gemm_path()
         if fp8 == "current_scaling":
             return _te_fp8_current_scaling(dense, x_sorted, w, group_sizes)
@@ -156,8 +156,7 @@ def grouped_matmul(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array, ba
     raise UserError(f"unknown grouped-GEMM backend {backend!r}.", fix=f"choose one of {', '.join(BACKENDS)}.")
 
 
-def _tail_guarded(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array, backend: Backend,
-                  fp8: Fp8) -> jax.Array:
+def _tail_guarded(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array, backend: Backend, fp8: Fp8) -> jax.Array:
     """The grouped GEMM when the groups end before row M: rows past them give zero outputs and take zero
     gradients, as `jax.lax.ragged_dot` defines it, whatever the kernel does with them.
 

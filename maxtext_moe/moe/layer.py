@@ -73,8 +73,10 @@ def gate_logits(x: jax.Array, gate_kernel: jax.Array) -> jax.Array:
 
 def _raise_if_dropped(total: np.ndarray, rows: int) -> None:
     if int(total) != rows:
-        raise UserError(f"MoE dispatch is not dropless: expert groups hold {int(total)} rows, expected {rows} "
-                        "(tokens x top-k); an expert index is outside [0, num_experts).")
+        raise UserError(
+            f"MoE dispatch is not dropless: expert groups hold {int(total)} rows, expected {rows} "
+            "(tokens x top-k); an expert index is outside [0, num_experts)."
+        )
 
 
 def sort_by_expert(indices: jax.Array, num_experts: int, check: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -128,8 +130,15 @@ def shared_expert(x: jax.Array, p: Params) -> jax.Array:
     return (jax.nn.silu(h0) * h1) @ p["wo"]["kernel"].astype(x.dtype)
 
 
-def expert_mlp(x_sorted: jax.Array, experts: Params, group_sizes: jax.Array, backend: Backend,
-               fp8: Fp8 = "none", *, partial: bool = False) -> jax.Array:
+def expert_mlp(
+    x_sorted: jax.Array,
+    experts: Params,
+    group_sizes: jax.Array,
+    backend: Backend,
+    fp8: Fp8 = "none",
+    *,
+    partial: bool = False,
+) -> jax.Array:
     """SiLU-GLU experts on rows sorted by expert: wo(silu(wi_0 x) * wi_1 x), one grouped GEMM each.
 
     The GEMM outputs carry MaxText's remat names as its `sparse_matmul` path tags them (wi_0: `mlpwi_0`

@@ -35,17 +35,23 @@ class RoutingConfig:
 
     def __post_init__(self) -> None:
         if self.num_experts % self.n_groups:
-            raise UserError(f"num_experts={self.num_experts} is not divisible by n_groups={self.n_groups}.",
-                            fix="choose n_groups that divides the number of experts.")
+            raise UserError(
+                f"num_experts={self.num_experts} is not divisible by n_groups={self.n_groups}.",
+                fix="choose n_groups that divides the number of experts.",
+            )
         per_group = self.num_experts // self.n_groups
         if self.n_groups > 1 and per_group < 2:
-            raise UserError(f"group-limited routing ranks groups by their top-2 scores, but each group has "
-                            f"{per_group} expert(s).", fix="use fewer groups (n_groups <= num_experts / 2).")
+            raise UserError(
+                f"group-limited routing ranks groups by their top-2 scores, but each group has {per_group} expert(s).",
+                fix="use fewer groups (n_groups <= num_experts / 2).",
+            )
         if not 1 <= self.topk_groups <= self.n_groups:
             raise UserError(f"topk_groups={self.topk_groups} must be in [1, n_groups={self.n_groups}].")
         if self.top_k > self.topk_groups * per_group:
-            raise UserError(f"top_k={self.top_k} exceeds the {self.topk_groups * per_group} experts in the kept groups.",
-                            fix="raise topk_groups or lower top_k.")
+            raise UserError(
+                f"top_k={self.top_k} exceeds the {self.topk_groups * per_group} experts in the kept groups.",
+                fix="raise topk_groups or lower top_k.",
+            )
 
 
 class Routing(NamedTuple):

@@ -73,8 +73,11 @@ def per_step(m: Model, lay: Layout, groups: int = 0, topk_groups: int = 0) -> tu
     ]
     if lay.dp > 1:
         shard = (m.total_params / (lay.fsdp * lay.ep * lay.tp * lay.pp)) * wb
-        out.append(Collective("DP all-reduce (grads)", 2 * shard * (lay.dp - 1) / lay.dp, _link(lay, s_dp, lay.dp),
-                              lay.latency_hiding))
+        out.append(
+            Collective(
+                "DP all-reduce (grads)", 2 * shard * (lay.dp - 1) / lay.dp, _link(lay, s_dp, lay.dp), lay.latency_hiding
+            )
+        )
     a2a = {"per_expert": 0.0, "per_rank_dedup": 0.0, "dense_blocks": 0.0}
     if lay.ep > 1:
         moe_layers = (m.moe_layers + m.mtp_layers) / lay.pp
@@ -94,13 +97,26 @@ def per_step(m: Model, lay: Layout, groups: int = 0, topk_groups: int = 0) -> tu
         out.append(Collective(name, sent, _link(lay, s_ep, lay.ep), False))
     if lay.tp > 1:
         layers = (m.layers + m.mtp_layers) / lay.pp
-        out.append(Collective("TP all-reduce (activations)", lay.tokens * layers * 4 * 2 * m.emb * lay.act_bytes,
-                              _link(lay, s_tp, lay.tp), False))
+        out.append(
+            Collective(
+                "TP all-reduce (activations)",
+                lay.tokens * layers * 4 * 2 * m.emb * lay.act_bytes,
+                _link(lay, s_tp, lay.tp),
+                False,
+            )
+        )
     if lay.pp > 1:
-        out.append(Collective("PP send/recv (activations)", 2 * lay.tokens * lay.pp * m.emb * lay.act_bytes,
-                              _link(lay, s_pp, lay.pp), False))
+        out.append(
+            Collective(
+                "PP send/recv (activations)",
+                2 * lay.tokens * lay.pp * m.emb * lay.act_bytes,
+                _link(lay, s_pp, lay.pp),
+                False,
+            )
+        )
     offloaded = per_gpu(m, lay).host.get("offloaded activations", 0.0)
     if offloaded:
-        out.append(Collective("host offload (out + back)", 2 * offloaded * lay.grad_accum,
-                              lay.hardware.host_link_gbps, True))
+        out.append(
+            Collective("host offload (out + back)", 2 * offloaded * lay.grad_accum, lay.hardware.host_link_gbps, True)
+        )
     return out, a2a

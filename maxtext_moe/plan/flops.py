@@ -35,8 +35,16 @@ class Flops:
     @property
     def maxtext(self) -> float:
         """Per token as MaxText logs it (MTP without its projection and LM-head pass)."""
-        return (self.attention_proj + self.attention_core + self.dense_ffn + self.router + self.shared_experts
-                + self.routed_experts + self.head + self.mtp)
+        return (
+            self.attention_proj
+            + self.attention_core
+            + self.dense_ffn
+            + self.router
+            + self.shared_experts
+            + self.routed_experts
+            + self.head
+            + self.mtp
+        )
 
     @property
     def total(self) -> float:

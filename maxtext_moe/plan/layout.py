@@ -10,9 +10,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from maxtext_moe.errors import UserError
-from maxtext_moe.hardware import PROFILES, Hardware, profile
-from maxtext_moe.recipe import suggest
-from maxtext_moe.resolved import ResolvedRecipe
+from maxtext_moe.recipe.composition import suggest
+from maxtext_moe.recipe.hardware import PROFILES, Hardware, profile
+from maxtext_moe.recipe.resolved import ResolvedRecipe
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 # JAX preallocates this fraction of HBM when XLA_PYTHON_CLIENT_MEM_FRACTION is unset.
@@ -20,9 +20,25 @@ JAX_DEFAULT_MEM_FRACTION = 0.75
 
 # Tensors MaxText's custom remat policy can name (configs/base.yml, maxtext 0.2.5) that a DeepSeek
 # decoder produces; each is 'device' (saved in HBM), 'offload' (saved in host memory) or 'remat'.
-REMAT_TENSORS = ("context", "mlpwi_0", "mlpwi_1", "mlpwo", "moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo",
-                 "moe_x_sorted", "query_proj", "key_proj", "value_proj", "out_proj", "query_wa_proj",
-                 "kv_wa_proj", "mla_q", "mla_kv", "attention_out")
+REMAT_TENSORS = (
+    "context",
+    "mlpwi_0",
+    "mlpwi_1",
+    "mlpwo",
+    "moe_mlpwi_0",
+    "moe_mlpwi_1",
+    "moe_mlpwo",
+    "moe_x_sorted",
+    "query_proj",
+    "key_proj",
+    "value_proj",
+    "out_proj",
+    "query_wa_proj",
+    "kv_wa_proj",
+    "mla_q",
+    "mla_kv",
+    "attention_out",
+)
 # Named presets, written as the custom policy they amount to for these tensors.
 _QKV = ("query_proj", "key_proj", "value_proj")
 # MaxText's `minimal` saves these names (its NNXDecoder.minimal_policy); the expert GEMM outputs carry
@@ -89,25 +105,44 @@ class Layout:
         return self.hardware.hbm_gib * self.mem_fraction
 
     def describe(self) -> str:
-        axes = [f"{n}{v}" for n, v in (("DP", self.dp), ("FSDP", self.fsdp), ("EP", self.ep), ("TP", self.tp),
-                                          ("PP", self.pp)) if v > 1] or ["1 device"]
-        return (f"{' x '.join(axes)} on {self.devices} {self.hardware.name}, batch {self.batch:g}/device x seq "
-                f"{self.seq}, remat {self.remat_name}")
+        axes = [
+            f"{n}{v}"
+            for n, v in (("DP", self.dp), ("FSDP", self.fsdp), ("EP", self.ep), ("TP", self.tp), ("PP", self.pp))
+            if v > 1
+        ] or ["1 device"]
+        return (
+            f"{' x '.join(axes)} on {self.devices} {self.hardware.name}, batch {self.batch:g}/device x seq "
+            f"{self.seq}, remat {self.remat_name}"
+        )
 
-    def replace(self, **changes: object) -> "Layout":
+    def replace(self, **changes: object) -> Layout:
         return dataclasses.replace(self, **changes)
 
 
 def _mesh(r: ResolvedRecipe, devices: int) -> dict[str, int]:
     """ici_* sizes with -1 filled in; with a device count other than the recipe's, FSDP absorbs it."""
-    names = {"dp": "ici_data_parallelism", "fsdp": "ici_fsdp_parallelism", "ep": "ici_expert_parallelism",
-             "tp": "ici_tensor_parallelism", "pp": "ici_pipeline_parallelism"}
+    names = {
+        "dp": "ici_data_parallelism",
+        "fsdp": "ici_fsdp_parallelism",
+        "ep": "ici_expert_parallelism",
+        "tp": "ici_tensor_parallelism",
+        "pp": "ici_pipeline_parallelism",
+    }
     sizes = {k: int(r.effective(v)) for k, v in names.items()}
-    for key in ("ici_fsdp_transpose_parallelism", "ici_sequence_parallelism", "ici_context_parallelism",
-                "ici_tensor_sequence_parallelism", "ici_autoregressive_parallelism"):
+    for key in (
+        "ici_fsdp_transpose_parallelism",
+        "ici_sequence_parallelism",
+        "ici_context_parallelism",
+        "ici_tensor_sequence_parallelism",
+        "ici_autoregressive_parallelism",
+    ):
         if r.effective(key) not in (1, None):
-            raise UserError(f"is {r.effective(key)}; plan models DP, FSDP, EP, TP and PP axes only.", key=key,
-                            source=r.sources.get(f"maxtext.{key}"), fix=f"set {key}: 1 to plan this recipe.")
+            raise UserError(
+                f"is {r.effective(key)}; plan models DP, FSDP, EP, TP and PP axes only.",
+                key=key,
+                source=r.sources.get(f"maxtext.{key}"),
+                fix=f"set {key}: 1 to plan this recipe.",
+            )
     if devices != r.topology.num_devices:
         sizes["fsdp"] = -1
     fill = [k for k, v in sizes.items() if v == -1]
@@ -115,9 +150,12 @@ def _mesh(r: ResolvedRecipe, devices: int) -> dict[str, int]:
     for v in sizes.values():
         known *= v if v != -1 else 1
     if devices % known:
-        raise UserError(f"--gpus {devices} is not a multiple of the other mesh axes (product {known}: "
-                        f"{', '.join(f'{k}={v}' for k, v in sizes.items() if v not in (1, -1))}).",
-                        key="--gpus", fix=f"use a multiple of {known}, or change those axes with key=value overrides.")
+        raise UserError(
+            f"--gpus {devices} is not a multiple of the other mesh axes (product {known}: "
+            f"{', '.join(f'{k}={v}' for k, v in sizes.items() if v not in (1, -1))}).",
+            key="--gpus",
+            fix=f"use a multiple of {known}, or change those axes with key=value overrides.",
+        )
     for k in fill:
         sizes[k] = devices // known
         known = devices
@@ -140,29 +178,43 @@ def _policy_tensors(r: ResolvedRecipe) -> dict[str, str]:
         bad = {t: v for t, v in choices.items() if v not in ("device", "offload", "remat")}
         if bad:
             t, v = next(iter(bad.items()))
-            raise UserError(f"is {v!r}; a custom remat policy takes device, offload or remat.", key=t,
-                            source=r.sources.get(f"maxtext.{t}"), fix=f"set {t}: remat, device or offload.")
+            raise UserError(
+                f"is {v!r}; a custom remat policy takes device, offload or remat.",
+                key=t,
+                source=r.sources.get(f"maxtext.{t}"),
+                fix=f"set {t}: remat, device or offload.",
+            )
         return choices
     if policy not in REMAT_PRESETS:
-        raise UserError(f"is {policy!r}, which plan does not model.{suggest(policy, tuple(REMAT_PRESETS))}",
-                        key="remat_policy", source=r.sources.get("maxtext.remat_policy"),
-                        fix=f"use custom or one of: {', '.join(REMAT_PRESETS)}.")
+        raise UserError(
+            f"is {policy!r}, which plan does not model.{suggest(policy, tuple(REMAT_PRESETS))}",
+            key="remat_policy",
+            source=r.sources.get("maxtext.remat_policy"),
+            fix=f"use custom or one of: {', '.join(REMAT_PRESETS)}.",
+        )
     return {t: REMAT_PRESETS[policy].get(t, "remat") for t in REMAT_TENSORS}
 
 
 def _dtype_bytes(r: ResolvedRecipe, key: str, fallback: str) -> int:
     name = str(r.effective(key) or fallback)
     if name not in DTYPE_BYTES:
-        raise UserError(f"is {name!r}; plan knows {', '.join(DTYPE_BYTES)}.", key=key,
-                        source=r.sources.get(f"maxtext.{key}"), fix="use bfloat16 or float32.")
+        raise UserError(
+            f"is {name!r}; plan knows {', '.join(DTYPE_BYTES)}.",
+            key=key,
+            source=r.sources.get(f"maxtext.{key}"),
+            fix="use bfloat16 or float32.",
+        )
     return DTYPE_BYTES[name]
 
 
 def from_recipe(r: ResolvedRecipe, gpus: int | None = None, gpu_type: str | None = None) -> Layout:
     """The recipe's layout, optionally moved to `gpus` devices of `gpu_type` (FSDP absorbs the change)."""
     if gpu_type is not None and gpu_type not in PROFILES:
-        raise UserError(f"unknown GPU type '{gpu_type}'.{suggest(gpu_type, tuple(PROFILES))}", key="--gpu-type",
-                        fix=f"use one of: {', '.join(p for p in PROFILES if p != 'cpu')}.")
+        raise UserError(
+            f"unknown GPU type '{gpu_type}'.{suggest(gpu_type, tuple(PROFILES))}",
+            key="--gpu-type",
+            fix=f"use one of: {', '.join(p for p in PROFILES if p != 'cpu')}.",
+        )
     if gpus is not None and gpus < 1:
         raise UserError(f"must be at least 1, got {gpus}.", key="--gpus", fix="give the number of GPUs to plan for.")
     hw = profile(gpu_type or r.topology.hardware)
@@ -174,18 +226,36 @@ def from_recipe(r: ResolvedRecipe, gpus: int | None = None, gpu_type: str | None
     if r.moe["impl"] == "ours":  # our block: the recipe's moe.gemm picks the grouped-GEMM kernel
         moe_path = r.moe["gemm"]
     else:
-        moe_path = ("te" if te else "tokamax" if r.effective("use_tokamax_gmm") else
-                    "ragged_dot" if r.effective("sparse_matmul") else "dense")
+        moe_path = (
+            "te"
+            if te
+            else "tokamax"
+            if r.effective("use_tokamax_gmm")
+            else "ragged_dot"
+            if r.effective("sparse_matmul")
+            else "dense"
+        )
     flags = str(r.env.get("XLA_FLAGS", ""))
     pp = mesh["pp"]
     return Layout(
-        hardware=hw, devices=devices, dp=mesh["dp"], fsdp=mesh["fsdp"], ep=mesh["ep"], tp=mesh["tp"], pp=pp,
-        batch=float(r.effective("per_device_batch_size")), seq=int(r.effective("max_target_length")),
+        hardware=hw,
+        devices=devices,
+        dp=mesh["dp"],
+        fsdp=mesh["fsdp"],
+        ep=mesh["ep"],
+        tp=mesh["tp"],
+        pp=pp,
+        batch=float(r.effective("per_device_batch_size")),
+        seq=int(r.effective("max_target_length")),
         microbatches=max(int(r.effective("num_pipeline_microbatches")), pp) if pp > 1 else 1,
         grad_accum=int(r.effective("gradient_accumulation_steps")),
-        weight_bytes=weight_bytes, mu_bytes=_dtype_bytes(r, "mu_dtype", str(r.effective("weight_dtype"))),
-        act_bytes=_dtype_bytes(r, "dtype", "bfloat16"), remat=_remat(r), remat_name=str(r.effective("remat_policy")),
-        ragged_buffer_factor=float(r.effective("ragged_buffer_factor")), moe_path=moe_path,
+        weight_bytes=weight_bytes,
+        mu_bytes=_dtype_bytes(r, "mu_dtype", str(r.effective("weight_dtype"))),
+        act_bytes=_dtype_bytes(r, "dtype", "bfloat16"),
+        remat=_remat(r),
+        remat_name=str(r.effective("remat_policy")),
+        ragged_buffer_factor=float(r.effective("ragged_buffer_factor")),
+        moe_path=moe_path,
         dense_fp8="fp8" in quant and hw.fp8,
         # Only TE's block quantizes the grouped GEMM; `quantization` reaches the dense GEMMs alone.
         expert_fp8=te and r.effective("te_gmm_quantization") == "te_mxfp8",

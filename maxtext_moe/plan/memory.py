@@ -56,11 +56,25 @@ def tensor_sizes(m: Model, lay: Layout, moe: bool) -> dict[str, float]:
     qk, v = m.heads * (m.qk_nope + m.qk_rope), m.heads * m.v_head
     ffn = m.shared * m.moe_mlp if moe else m.mlp
     rows = rows_per_token(lay, m) if moe else 0.0
-    sizes = {"context": v, "attention_out": v, "query_proj": qk, "key_proj": qk, "value_proj": v,
-             "out_proj": m.emb, "query_wa_proj": m.q_lora, "mla_q": m.q_lora, "kv_wa_proj": m.kv_lora + m.qk_rope,
-             "mla_kv": m.kv_lora + m.qk_rope, "mlpwi_0": ffn, "mlpwi_1": ffn, "mlpwo": m.emb,
-             "moe_mlpwi_0": rows * m.moe_mlp, "moe_mlpwi_1": rows * m.moe_mlp, "moe_mlpwo": rows * m.emb,
-             "moe_x_sorted": rows * m.emb}
+    sizes = {
+        "context": v,
+        "attention_out": v,
+        "query_proj": qk,
+        "key_proj": qk,
+        "value_proj": v,
+        "out_proj": m.emb,
+        "query_wa_proj": m.q_lora,
+        "mla_q": m.q_lora,
+        "kv_wa_proj": m.kv_lora + m.qk_rope,
+        "mla_kv": m.kv_lora + m.qk_rope,
+        "mlpwi_0": ffn,
+        "mlpwi_1": ffn,
+        "mlpwo": m.emb,
+        "moe_mlpwi_0": rows * m.moe_mlp,
+        "moe_mlpwi_1": rows * m.moe_mlp,
+        "moe_mlpwo": rows * m.emb,
+        "moe_x_sorted": rows * m.emb,
+    }
     assert set(sizes) == set(REMAT_TENSORS)
     return {k: s / lay.tp for k, s in sizes.items()}
 
@@ -83,8 +97,10 @@ def _gradients_fill_as_activations_free(device: dict[str, float]) -> None:
     Not read from XLA's buffer assignment; fitted to measured peaks (docs/PLAN.md): unrolled, counting the
     gradients in full put the one-H200 proxy 29-30% high and the two-H200 EP2 proxy 17-20% high."""
     grads = device.pop("gradients")
-    activations = sum(device[k] for k in ("saved activations (remat policy)", "layer working set (recompute + MoE dispatch)",
-                                          "logits + loss"))
+    activations = sum(
+        device[k]
+        for k in ("saved activations (remat policy)", "layer working set (recompute + MoE dispatch)", "logits + loss")
+    )
     device[UNROLLED_GRADIENTS] = max(0.0, grads - activations)
 
 
@@ -94,8 +110,11 @@ def per_gpu(m: Model, lay: Layout) -> Memory:
     embed = 2 * m.emb * m.vocab
     params = m.routed_expert_params / (shard * lay.pp) + (m.other_params - embed) / (shard * lay.pp) + embed / shard
     nu_bytes = lay.weight_bytes
-    state = {"parameters": params * lay.weight_bytes, "gradients": params * lay.weight_bytes,
-             "optimizer state (AdamW mu, nu)": params * (lay.mu_bytes + nu_bytes)}
+    state = {
+        "parameters": params * lay.weight_bytes,
+        "gradients": params * lay.weight_bytes,
+        "optimizer state (AdamW mu, nu)": params * (lay.mu_bytes + nu_bytes),
+    }
     host: dict[str, float] = {}
     if lay.offload_optimizer:
         host["optimizer state (AdamW mu, nu)"] = state.pop("optimizer state (AdamW mu, nu)")

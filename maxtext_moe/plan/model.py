@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from maxtext_moe.errors import UserError
-from maxtext_moe.resolved import ResolvedRecipe
+from maxtext_moe.recipe.resolved import ResolvedRecipe
 
 
 @dataclass(frozen=True)
@@ -36,22 +36,37 @@ class Model:
     n_up: int  # up-projections per FFN (len(mlp_activations): 2 for SwiGLU)
 
     @classmethod
-    def from_recipe(cls, r: ResolvedRecipe) -> "Model":
+    def from_recipe(cls, r: ResolvedRecipe) -> Model:
         """Read the shapes MaxText will build; refuse models this planner does not describe."""
         block, attn = r.effective("decoder_block"), r.effective("attention_type")
         if block != "deepseek" or attn != "mla":
             raise UserError(
                 f"plan models DeepSeek-style decoders (decoder_block deepseek, attention_type mla); this recipe "
                 f"has decoder_block={block!r}, attention_type={attn!r}.",
-                key="model_name", source=r.sources.get("maxtext.model_name"),
-                fix="use a deepseek3-* model_name, or count this model with MaxText's own tools.")
+                key="model_name",
+                source=r.sources.get("maxtext.model_name"),
+                fix="use a deepseek3-* model_name, or count this model with MaxText's own tools.",
+            )
         e = r.effective
-        return cls(emb=e("base_emb_dim"), heads=e("base_num_query_heads"), q_lora=e("q_lora_rank"),
-                   kv_lora=e("kv_lora_rank"), qk_nope=e("qk_nope_head_dim"), qk_rope=e("qk_rope_head_dim"),
-                   v_head=e("v_head_dim"), mlp=e("base_mlp_dim"), moe_mlp=e("base_moe_mlp_dim"),
-                   layers=e("base_num_decoder_layers"), dense_layers=e("first_num_dense_layers"),
-                   experts=e("num_experts"), topk=e("num_experts_per_tok"), shared=e("shared_experts"),
-                   vocab=e("vocab_size"), mtp_layers=e("mtp_num_layers"), n_up=len(e("mlp_activations")))
+        return cls(
+            emb=e("base_emb_dim"),
+            heads=e("base_num_query_heads"),
+            q_lora=e("q_lora_rank"),
+            kv_lora=e("kv_lora_rank"),
+            qk_nope=e("qk_nope_head_dim"),
+            qk_rope=e("qk_rope_head_dim"),
+            v_head=e("v_head_dim"),
+            mlp=e("base_mlp_dim"),
+            moe_mlp=e("base_moe_mlp_dim"),
+            layers=e("base_num_decoder_layers"),
+            dense_layers=e("first_num_dense_layers"),
+            experts=e("num_experts"),
+            topk=e("num_experts_per_tok"),
+            shared=e("shared_experts"),
+            vocab=e("vocab_size"),
+            mtp_layers=e("mtp_num_layers"),
+            n_up=len(e("mlp_activations")),
+        )
 
     @property
     def moe_layers(self) -> int:
@@ -107,8 +122,11 @@ class Model:
     def other_params(self) -> int:
         """Everything but routed experts: attention, dense FFNs, shared experts, router, embeddings, MTP."""
         moe_dense_part = self.ffn_weights(self.moe_mlp) * self.shared + self.router_weights + self.experts  # + bias
-        decoder = (self.layers * self.attention_weights + self.dense_layers * self.ffn_weights(self.mlp)
-                   + self.moe_layers * moe_dense_part)
+        decoder = (
+            self.layers * self.attention_weights
+            + self.dense_layers * self.ffn_weights(self.mlp)
+            + self.moe_layers * moe_dense_part
+        )
         mtp = self.mtp_layers * (self.attention_weights + moe_dense_part + self.mtp_proj_weights)
         return decoder + mtp + 2 * self.emb * self.vocab + self.norm_params
 
@@ -125,5 +143,9 @@ class Model:
         """Matmul weights of one decoder layer as one expert-parallel rank holds them once gathered."""
         if not moe:
             return self.attention_weights + self.ffn_weights(self.mlp)
-        return (self.attention_weights + self.router_weights + self.shared * self.ffn_weights(self.moe_mlp)
-                + experts_per_rank * self.ffn_weights(self.moe_mlp))
+        return (
+            self.attention_weights
+            + self.router_weights
+            + self.shared * self.ffn_weights(self.moe_mlp)
+            + experts_per_rank * self.ffn_weights(self.moe_mlp)
+        )

@@ -11,7 +11,7 @@ from maxtext_moe.plan import layout as layout_mod
 from maxtext_moe.plan.estimate import GIB, Plan, evaluate
 from maxtext_moe.plan.layout import REMAT_TENSORS
 from maxtext_moe.plan.model import Model
-from maxtext_moe.resolved import ResolvedRecipe
+from maxtext_moe.recipe.resolved import ResolvedRecipe
 
 BATCHES = (1, 2, 4, 6, 8)
 PIPELINE_STAGES = (1, 2, 4, 8)
@@ -37,9 +37,15 @@ def rank(r: ResolvedRecipe, gpus: int | None = None, gpu_type: str | None = None
             fsdp = base.devices // (ep * pp * base.tp * base.dp)
             for batch in BATCHES:
                 for name, choice in REMAT_CHOICES.items():
-                    lay = base.replace(ep=ep, pp=pp, fsdp=fsdp, batch=float(batch), remat_name=name,
-                                       microbatches=max(base.microbatches, 2 * pp) if pp > 1 else 1,
-                                       remat={t: choice.get(t, "remat") for t in REMAT_TENSORS})
+                    lay = base.replace(
+                        ep=ep,
+                        pp=pp,
+                        fsdp=fsdp,
+                        batch=float(batch),
+                        remat_name=name,
+                        microbatches=max(base.microbatches, 2 * pp) if pp > 1 else 1,
+                        remat={t: choice.get(t, "remat") for t in REMAT_TENSORS},
+                    )
                     plan = evaluate(r.name, m, lay, groups, topk_groups)
                     if plan.fits:
                         fitting.append(plan)
@@ -51,6 +57,8 @@ def render(plans: list[Plan]) -> str:
         return "no layout fits; try more GPUs (--gpus) or a GPU with more memory (--gpu-type)."
     lines = [f"{'TFLOPS/GPU':>10}  {'s/step':>7}  {'GiB/GPU':>7}  {'host GiB':>8}  layout"]
     for p in plans:
-        lines.append(f"{p.tflops_per_gpu:>10,.0f}  {p.step_s:>7.2f}  {p.memory.device_total / GIB:>7.1f}  "
-                     f"{p.memory.host_total / GIB:>8.1f}  {p.layout.describe()}")
+        lines.append(
+            f"{p.tflops_per_gpu:>10,.0f}  {p.step_s:>7.2f}  {p.memory.device_total / GIB:>7.1f}  "
+            f"{p.memory.host_total / GIB:>8.1f}  {p.layout.describe()}"
+        )
     return "\n".join(lines)

@@ -9,7 +9,7 @@ second=$(( $(nvidia-smi -L | wc -l) > 1 ? 1 : 0 ))
 CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m pytest tests/test_moe_gpu.py -m gpu -q -p no:cacheprovider \
   > "$W/pytest_moe_gpu.log" 2>&1 &
 [ "$second" = 1 ] || wait
-CUDA_VISIBLE_DEVICES=$second timeout 200 python3 scripts/bench_moe_layer.py --tokens 8192 16384 \
+CUDA_VISIBLE_DEVICES=$second timeout 200 python3 benchmarks/bench_moe_layer.py --tokens 8192 16384 \
   --backends te te_fp8 --no-maxtext --out "$W/moe_layer_fp8.json" > "$W/bench_layer.log" 2>&1
 wait
 tail -15 "$W/pytest_moe_gpu.log"; grep -v "Warning\|sow\|https://\|^ *$" "$W/bench_layer.log" | tail -8

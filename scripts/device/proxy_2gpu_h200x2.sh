@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the lent 2 x H200 machine (kind nvidia-h200-x2; issues 4 and 5): the GPU tests (the
 # real ragged_all_to_all exchange against its emulation, the grouped-GEMM backends), the EP2 MoE layer with and without
-# per-rank dedup (scripts/bench_ep_dispatch.py, one process per GPU), then `maxtext-moe bench` of the two-GPU proxy
+# per-rank dedup (benchmarks/bench_ep_dispatch.py, one process per GPU), then `maxtext-moe bench` of the two-GPU proxy
 # with expert parallelism 2 (our block, TE) and with FSDP 2 (MaxText's block), one process per GPU (or one for both).
 # Usage there: bash scripts/device/proxy_2gpu_h200x2.sh STEPS ["NAME PROCESSES RECIPE key=value ..." ...]
 # DISPATCH_TESTS=0 skips the GPU tests; EP_BENCH_BACKENDS=" " skips the layer benchmark, EP_BUFFER_FACTORS lists
@@ -31,7 +31,7 @@ per_gpu() {  # processes (1: one process sees both GPUs; 2: one per GPU), log pr
 for backend in ${EP_BENCH_BACKENDS:-te}; do
   for factor in ${EP_BUFFER_FACTORS:--1}; do
     name=ep_dispatch_${backend}_f$factor
-    per_gpu 2 "$W/$name" timeout -k 10 150 python3 scripts/bench_ep_dispatch.py --tokens-per-device 8192 \
+    per_gpu 2 "$W/$name" timeout -k 10 150 python3 benchmarks/bench_ep_dispatch.py --tokens-per-device 8192 \
       --experts 64 --backend "$backend" --buffer-factor "$factor" --out "$W/$name.json"
     echo "EP dispatch bench ($backend, ragged_buffer_factor $factor) rc=$?"
     grep -v "Warning\|^ *$" "$W/$name.p0.log" | tail -6; pack

@@ -1,0 +1,230 @@
+"""Compose a recipe from YAML fragments and command-line overrides into one resolved recipe.
+
+MaxText takes one flat dictionary of a thousand keys and reports a mistake, if at all, after the
+devices are initialised. A recipe instead names small fragments (model, hardware, parallelism, ...)
+that many recipes share; this module merges them in order, remembers which file every value came
+from, and hands the result to `validate` so that an error can name the key, the file and the fix
+before any compute is spent. It never imports jax or MaxText.
+
+File format (recipes and fragments alike; every section optional):
+
+    description: one line shown by `maxtext-moe list`
+    include: [model/deepseek3-tiny, hardware/cpu]   # fragments under configs/, merged first, in order
+    maxtext: {key: value}                            # MaxText configuration keys
+    env: {NAME: value}                               # process environment, set before jax is imported
+    xla_flags: {xla_flag_name: value}                # joined into XLA_FLAGS
+    topology: {hardware: h200, nodes: 1, gpus_per_node: 8}
+    corpus: {source: python-stdlib, max_mib: 8}      # text prepared locally for the Grain loader
+    moe: {impl: ours, gemm: te}                      # which routed-MoE block and grouped GEMM run
+
+Later values replace earlier ones key by key; command-line `key=value` overrides come last.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from maxtext_moe import paths
+from maxtext_moe.errors import UserError
+from maxtext_moe.recipe import maxtext_keys
+
+SECTIONS = ("description", "include", "maxtext", "env", "xla_flags", "topology", "corpus", "moe")
+TOPOLOGY_FIELDS = ("hardware", "nodes", "gpus_per_node")
+CORPUS_FIELDS = ("source", "max_mib", "shards")
+MOE_FIELDS = ("impl", "gemm", "te_gemm_path", "fp8", "exchange", "attention_residuals")
+FIELDS = {"topology": TOPOLOGY_FIELDS, "corpus": CORPUS_FIELDS, "moe": MOE_FIELDS}  # sections with fixed fields
+# Command-line prefixes that address a section other than `maxtext`.
+PREFIXES = {
+    "env": "env",
+    "xla": "xla_flags",
+    "xla_flags": "xla_flags",
+    "topology": "topology",
+    "corpus": "corpus",
+    "moe": "moe",
+}
+COMMAND_LINE = "command line"
+
+
+@dataclass(frozen=True)
+class Value:
+    value: Any
+    source: str
+
+
+@dataclass
+class Composition:
+    """Values per section, each remembering the file (or override) that set it last."""
+
+    name: str
+    description: str = ""
+    sections: dict[str, dict[str, Value]] = field(
+        default_factory=lambda: {s: {} for s in ("maxtext", "env", "xla_flags", "topology", "corpus", "moe")}
+    )
+    files: list[str] = field(default_factory=list)
+
+    def get(self, section: str, key: str, default: Any = None) -> Any:
+        v = self.sections[section].get(key)
+        return default if v is None else v.value
+
+    def source(self, section: str, key: str) -> str | None:
+        v = self.sections[section].get(key)
+        return None if v is None else v.source
+
+
+def suggest(word: str, choices: list[str] | tuple[str, ...]) -> str:
+    """' Did you mean X?' or '' when nothing is close."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" Did you mean '{close[0]}'?" if close else ""
+
+
+def recipe_names() -> list[str]:
+    return sorted(p.stem for p in paths.recipes_dir().glob("*.yml"))
+
+
+def fragment_names() -> list[str]:
+    root = paths.configs_dir()
+    return sorted(str(p.relative_to(root).with_suffix("")) for p in root.glob("*/*.yml"))
+
+
+def find_recipe(ref: str) -> Path:
+    """A recipe by name (`recipes/NAME.yml`) or by path to a YAML file."""
+    as_path = Path(ref)
+    if as_path.suffix in (".yml", ".yaml"):
+        if not as_path.is_file():
+            raise UserError(f"recipe file {ref} does not exist.", fix="check the path, or run `maxtext-moe list`.")
+        return as_path
+    path = paths.recipes_dir() / f"{ref}.yml"
+    if not path.is_file():
+        raise UserError(
+            f"no recipe named '{ref}'.{suggest(ref, recipe_names())}",
+            fix="run `maxtext-moe list` to see the recipes, or give a path to a .yml file.",
+        )
+    return path
+
+
+def load_yaml(path: Path) -> dict[str, Any]:
+    """One YAML mapping; syntax errors and non-mappings become user errors naming the file."""
+    where = paths.display(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        raise UserError(f"is not valid YAML: {e}".replace("\n", " "), source=where) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"must be a YAML mapping of sections, not {type(data).__name__}.", source=where)
+    for section in data:
+        if section not in SECTIONS:
+            raise UserError(
+                f"unknown section '{section}'.{suggest(str(section), SECTIONS)}",
+                source=where,
+                fix=f"use only: {', '.join(SECTIONS)}.",
+            )
+    return data
+
+
+def _check_key(section: str, key: str, where: str) -> None:
+    if section == "maxtext":
+        known = maxtext_keys.defaults()
+        if key not in known:
+            raise UserError(
+                f"unknown MaxText key.{suggest(key, tuple(known))}",
+                key=key,
+                source=where,
+                fix="see MaxText's configs/base.yml for the keys it accepts.",
+            )
+    elif section in FIELDS and key not in FIELDS[section]:
+        raise UserError(
+            f"unknown {section} field.{suggest(key, FIELDS[section])}",
+            key=f"{section}.{key}",
+            source=where,
+            fix=f"use one of: {', '.join(FIELDS[section])}.",
+        )
+    elif section == "xla_flags" and not key.startswith("xla_"):
+        raise UserError(
+            "XLA flag names start with 'xla_' (write them without the leading dashes).",
+            key=f"xla_flags.{key}",
+            source=where,
+        )
+    elif section == "env" and (not key or not key.replace("_", "A").isalnum() or key[0].isdigit()):
+        raise UserError("is not a valid environment variable name.", key=f"env.{key}", source=where)
+
+
+def _merge_file(comp: Composition, path: Path, stack: tuple[Path, ...]) -> dict[str, Any]:
+    """Merge one file (its includes first) into `comp`; returns the file's own mapping."""
+    where = paths.display(path)
+    if path.resolve() in stack:
+        chain = " -> ".join(paths.display(p) for p in (*stack, path))
+        raise UserError(f"includes itself: {chain}.", source=where, fix="remove one of the includes.")
+    data = load_yaml(path)
+    includes = data.get("include") or []
+    if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
+        raise UserError("must be a list of fragment names like 'model/deepseek3-tiny'.", key="include", source=where)
+    for ref in includes:
+        frag = paths.configs_dir() / f"{ref}.yml"
+        if not frag.is_file():
+            raise UserError(
+                f"no fragment '{ref}'.{suggest(ref, fragment_names())}",
+                key="include",
+                source=where,
+                fix="fragments are configs/<kind>/<name>.yml, named without '.yml'.",
+            )
+        _merge_file(comp, frag, (*stack, path.resolve()))
+    comp.files.append(where)
+    for section in comp.sections:
+        body = data.get(section)
+        if body is None:
+            continue
+        if not isinstance(body, dict):
+            raise UserError(
+                f"section must be a mapping of key: value, not {type(body).__name__}.", key=section, source=where
+            )
+        for key, value in body.items():
+            key = str(key)
+            _check_key(section, key, where)
+            comp.sections[section][key] = Value(value, where)
+    return data
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """`key=value` from the command line -> (section, key, value); the value is parsed as YAML."""
+    if "=" not in text:
+        raise UserError(
+            f"override '{text}' has no '='.",
+            source=COMMAND_LINE,
+            fix="write overrides as key=value, e.g. steps=20 or env.NCCL_DEBUG=INFO.",
+        )
+    dotted, raw = text.split("=", 1)
+    section, key = "maxtext", dotted
+    if "." in dotted:
+        prefix, rest = dotted.split(".", 1)
+        if prefix not in PREFIXES:
+            raise UserError(
+                f"unknown prefix '{prefix}' in '{dotted}'.{suggest(prefix, tuple(PREFIXES))}",
+                source=COMMAND_LINE,
+                fix="use a MaxText key, or env.NAME, xla.FLAG, topology.FIELD, corpus.FIELD, moe.FIELD.",
+            )
+        section, key = PREFIXES[prefix], rest
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return section, key, value
+
+
+def compose(ref: str, overrides: list[str] | tuple[str, ...] = ()) -> Composition:
+    """Merge a recipe's fragments, the recipe itself, then command-line overrides."""
+    path = find_recipe(ref)
+    comp = Composition(name=path.stem)
+    comp.description = str(_merge_file(comp, path, ()).get("description", "")).strip()
+    for text in overrides:
+        section, key, value = parse_override(text)
+        _check_key(section, key, COMMAND_LINE)
+        comp.sections[section][key] = Value(value, COMMAND_LINE)
+    return comp

@@ -1,0 +1,96 @@
+"""The resolved recipe: the single object every command consumes.
+
+Data flows one way: recipe files -> `recipe.compose` -> `validate.resolve` -> this object ->
+`show` / `plan` / `doctor` / `train`. It holds plain data only (no jax), so it can be printed,
+hashed into a run's identity, and passed to a subprocess.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from maxtext_moe.recipe import maxtext_keys
+from maxtext_moe.recipe.hardware import Hardware, profile
+
+# Keys that change the shape or layout of saved parameters, besides those a MaxText model file sets.
+_CHECKPOINT_SHAPE_KEYS = (
+    "model_name",
+    "vocab_size",
+    "weight_dtype",
+    "scan_layers",
+    "mtp_num_layers",
+    "base_emb_dim",
+    "base_num_query_heads",
+    "base_num_kv_heads",
+    "base_mlp_dim",
+    "base_moe_mlp_dim",
+    "base_num_decoder_layers",
+    "head_dim",
+    "num_experts",
+    "first_num_dense_layers",
+    "shared_experts",
+    "q_lora_rank",
+    "kv_lora_rank",
+)
+
+
+@dataclass(frozen=True)
+class Topology:
+    hardware: str
+    nodes: int
+    gpus_per_node: int
+
+    @property
+    def num_devices(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def profile(self) -> Hardware:
+        return profile(self.hardware)
+
+
+@dataclass(frozen=True)
+class ResolvedRecipe:
+    name: str
+    description: str
+    maxtext: dict[str, Any]
+    env: dict[str, str]
+    topology: Topology
+    corpus: dict[str, Any] | None
+    moe: dict[str, Any] = field(default_factory=lambda: {"impl": "maxtext"})  # see validate.MOE_CHOICES
+    sources: dict[str, str] = field(default_factory=dict)  # "maxtext.steps" -> file or "command line"
+    files: list[str] = field(default_factory=list)
+
+    def effective(self, key: str) -> Any:
+        """A MaxText key's value as MaxText will see it: recipe, else model file, else base.yml."""
+        if key in self.maxtext:
+            return self.maxtext[key]
+        model = maxtext_keys.model_defaults(str(self.maxtext.get("model_name", "default")))
+        if key in model:
+            return model[key]
+        return maxtext_keys.defaults().get(key)
+
+    def checkpoint_identity(self) -> dict[str, Any]:
+        """What a checkpoint written by this recipe must match to be resumed by it."""
+        keys = set(_CHECKPOINT_SHAPE_KEYS) | set(
+            maxtext_keys.model_defaults(str(self.maxtext.get("model_name", "default")))
+        )
+        shape = {k: self.effective(k) for k in sorted(keys)}
+        digest = hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        return {"recipe": self.name, "model_digest": digest, "model": shape}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "recipe": self.name,
+            "description": self.description,
+            "maxtext": self.maxtext,
+            "env": self.env,
+            "topology": asdict(self.topology) | {"num_devices": self.topology.num_devices},
+            "corpus": self.corpus,
+            "moe": self.moe,
+            "sources": self.sources,
+            "files": self.files,
+        }

@@ -1,0 +1,451 @@
+"""Check a composed recipe and turn it into a `ResolvedRecipe`.
+
+MaxText's own pydantic model checks types and some values, but only once jax has started, and
+its messages name neither the file a value came from nor the hardware it will run on; many
+mistakes that matter for DeepSeek-V3 on GPUs (the TPU-only `megablox` kernel left on, MXFP8 experts
+on a Hopper, an expert-parallel size that does not divide the experts, a mesh that does not match
+the cluster) it accepts and fails on later, or never. These checks run first, without jax, and
+each error names the key, the file and the fix. `maxtext_check` then runs MaxText's own model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from maxtext_moe.data import corpus as corpus_files
+from maxtext_moe.errors import UserError
+from maxtext_moe.recipe import maxtext_keys
+from maxtext_moe.recipe.composition import Composition, suggest
+from maxtext_moe.recipe.hardware import PROFILES, Hardware
+from maxtext_moe.recipe.resolved import ResolvedRecipe, Topology
+
+BASE_DEFAULT = "MaxText's base.yml default"
+FP8_QUANTIZATIONS = {
+    "fp8",
+    "fp8_e4m3",
+    "fp8_e5m2",
+    "nanoo_fp8",
+    "fp8_nanoo",
+    "fp8_gpu",
+    "fp8_full",
+    "te_fp8_delayedscaling",
+    "te_fp8_currentscaling",
+}
+MXFP8 = "te_mxfp8"
+
+MOE_CHOICES = {
+    "impl": ("maxtext", "ours"),
+    "gemm": ("te", "tokamax", "ragged_dot"),
+    "te_gemm_path": ("auto", "v1", "v2"),
+    "fp8": ("none", "current_scaling"),
+    "exchange": ("auto", "all_to_all", "ragged_all_to_all"),
+    "attention_residuals": ("recompute", "save"),
+}
+# Attention kernels whose forward outputs `moe.attention_residuals: save` keeps (remat.ATTENTION_FORWARD_PRIMITIVES)
+FLASH_ATTENTION = ("cudnn_flash_jax", "cudnn_flash_te")
+
+# key -> (predicate, what the value must be)
+RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "steps": (lambda v: v >= 1 or v == -1, "at least 1 (or -1 to follow learning_rate_schedule_steps)"),
+    "per_device_batch_size": (lambda v: v > 0, "greater than 0"),
+    "max_target_length": (lambda v: v >= 1, "at least 1"),
+    "learning_rate": (lambda v: v > 0, "greater than 0"),
+    "checkpoint_period": (lambda v: v >= 1, "at least 1"),
+    "num_experts": (lambda v: v >= 1, "at least 1"),
+    "num_experts_per_tok": (lambda v: v >= 1, "at least 1"),
+    "base_num_decoder_layers": (lambda v: v >= 1, "at least 1"),
+    "first_num_dense_layers": (lambda v: v >= 0, "0 or more"),
+    "mtp_num_layers": (lambda v: v >= 0, "0 or more"),
+    "routed_bias_update_rate": (lambda v: v >= 0, "0 or more"),
+    "warmup_steps_fraction": (lambda v: 0 <= v <= 1, "between 0 and 1"),
+    "ragged_buffer_factor": (lambda v: v > 0 or v == -1, "greater than 0 (or -1 for worst-case capacity)"),
+}
+
+
+def _type_ok(value: Any, default: Any) -> tuple[bool, str]:
+    """Whether `value` has the kind of type MaxText's default for the key has."""
+    if isinstance(default, bool):
+        return isinstance(value, bool), "true or false"
+    if isinstance(default, int):
+        return isinstance(value, int) and not isinstance(value, bool), "an integer"
+    if isinstance(default, float):
+        return isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+    if isinstance(default, list):
+        return isinstance(value, list), "a list"
+    if isinstance(default, dict):
+        return isinstance(value, dict), "a mapping"
+    if isinstance(default, str) and default not in ("", "None"):
+        return not isinstance(value, (list, dict, bool)), "a string"
+    return True, ""
+
+
+class _Checker:
+    """Runs the checks over one composition; `where(key)` names the file a key came from."""
+
+    def __init__(self, comp: Composition):
+        self.comp = comp
+        self.maxtext = {k: v.value for k, v in comp.sections["maxtext"].items()}
+        self.model = maxtext_keys.model_defaults(str(self.maxtext.get("model_name", "default")))
+
+    def value(self, key: str) -> Any:
+        if key in self.maxtext:
+            return self.maxtext[key]
+        if key in self.model:
+            return self.model[key]
+        return maxtext_keys.defaults().get(key)
+
+    def where(self, key: str) -> str:
+        src = self.comp.source("maxtext", key)
+        if src:
+            return src
+        if key in self.model:
+            return f"MaxText's models/{self.maxtext.get('model_name')}.yml"
+        return BASE_DEFAULT
+
+    def fail(self, key: str, message: str, fix: str) -> None:
+        raise UserError(message, key=key, source=self.where(key), fix=fix)
+
+    def types_and_ranges(self) -> None:
+        defaults = maxtext_keys.defaults()
+        for key, value in self.maxtext.items():
+            ok, expected = _type_ok(value, defaults.get(key))
+            if not ok:
+                self.fail(
+                    key,
+                    f"must be {expected}, got {value!r} ({type(value).__name__}).",
+                    f"set {key} to {expected}, e.g. {key}: {defaults.get(key)!r}.",
+                )
+        for key, (pred, text) in RANGES.items():
+            value = self.value(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and not pred(value):
+                self.fail(key, f"must be {text}, got {value!r}.", f"choose a value {text}.")
+        if self.value("num_experts_per_tok") > self.value("num_experts"):
+            self.fail(
+                "num_experts_per_tok",
+                f"routes each token to {self.value('num_experts_per_tok')} experts but the model has only "
+                f"{self.value('num_experts')}.",
+                "lower num_experts_per_tok or raise num_experts.",
+            )
+        if self.value("first_num_dense_layers") > self.value("base_num_decoder_layers"):
+            self.fail(
+                "first_num_dense_layers",
+                f"is {self.value('first_num_dense_layers')} but the model has only "
+                f"{self.value('base_num_decoder_layers')} decoder layers.",
+                "lower first_num_dense_layers or raise base_num_decoder_layers.",
+            )
+
+    def topology(self) -> Topology:
+        sec = self.comp.sections["topology"]
+
+        def field(name: str, default: Any) -> Any:
+            return sec[name].value if name in sec else default
+
+        hw = field("hardware", None)
+        where = self.comp.source("topology", "hardware") or self.comp.name
+        if hw is None:
+            raise UserError(
+                "the recipe names no hardware.",
+                key="topology.hardware",
+                source=self.comp.name,
+                fix="include a configs/hardware/ fragment, e.g. 'hardware/h200'.",
+            )
+        if hw not in PROFILES:
+            raise UserError(
+                f"unknown hardware '{hw}'.{suggest(str(hw), tuple(PROFILES))}",
+                key="topology.hardware",
+                source=where,
+                fix=f"use one of: {', '.join(PROFILES)}.",
+            )
+        nodes, per_node = field("nodes", 1), field("gpus_per_node", PROFILES[hw].gpus_per_node)
+        for name, v in (("nodes", nodes), ("gpus_per_node", per_node)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise UserError(
+                    f"must be a whole number of at least 1, got {v!r}.",
+                    key=f"topology.{name}",
+                    source=self.comp.source("topology", name) or where,
+                )
+        return Topology(hardware=hw, nodes=nodes, gpus_per_node=per_node)
+
+    def hardware_contradictions(self, hw: Hardware) -> None:
+        moe = self.value("num_experts") > 1
+        if moe and self.value("sparse_matmul") and self.value("megablox") and hw.maxtext_hardware in ("gpu", "cpu"):
+            self.fail(
+                "megablox",
+                f"is true, but megablox is a TPU kernel and this recipe runs on {hw.name}.",
+                "set megablox: false (dropless grouped GEMM then runs through ragged_dot, tokamax or TE).",
+            )
+        quant = str(self.value("quantization") or "")
+        if quant in FP8_QUANTIZATIONS | {MXFP8} and not hw.fp8:
+            self.fail(
+                "quantization",
+                f"asks for FP8 ({quant}) but {hw.name} has no FP8 matrix units.",
+                "remove the quantization fragment, or run on an FP8-capable GPU (Hopper or Blackwell).",
+            )
+        for key in ("quantization", "te_gmm_quantization"):
+            if str(self.value(key) or "") == MXFP8 and not hw.mxfp8:
+                self.fail(
+                    key,
+                    f"is te_mxfp8, but MXFP8 needs Blackwell (SM100) and {hw.name} is "
+                    f"SM{''.join(map(str, hw.compute_capability or ()))}.",
+                    "on Hopper use te_no_quant (BF16) experts with quantization: te_fp8_currentscaling "
+                    "for the dense GEMMs.",
+                )
+        if self.value("te_moe_block"):
+            if self.value("routed_bias_update_rate") > 0:
+                self.fail(
+                    "routed_bias_update_rate",
+                    "is above 0 (DeepSeek-V3's aux-loss-free balancing), but TE's MoE block (te_moe_block) "
+                    "does not implement the bias update and would drop it.",
+                    "set routed_bias_update_rate: 0 and say so in the recipe, or turn te_moe_block off.",
+                )
+            if self.value("norm_topk_prob"):
+                self.fail(
+                    "norm_topk_prob",
+                    "is true, but TE's MoE block (te_moe_block) does not support it.",
+                    "set norm_topk_prob: false, or turn te_moe_block off.",
+                )
+            if not self.value("te_gmm_quantization"):
+                self.fail(
+                    "te_gmm_quantization",
+                    "must be set when te_moe_block is true.",
+                    "set te_gmm_quantization: te_no_quant (BF16) or te_mxfp8 (Blackwell).",
+                )
+
+    def mesh(self, topo: Topology) -> None:
+        axes = [
+            k
+            for k, v in maxtext_keys.defaults().items()  # the per-axis sizes, not MaxText's derived list
+            if k.startswith("ici_") and k.endswith("_parallelism") and isinstance(v, int)
+        ]
+        total = topo.num_devices
+        known, fill = 1, []
+        for key in axes:
+            v = self.value(key)
+            if not isinstance(v, int) or isinstance(v, bool) or (v < 1 and v != -1):
+                self.fail(key, f"must be a positive integer or -1, got {v!r}.", "use -1 for 'the rest of the devices'.")
+            if v == -1:
+                fill.append(key)
+            else:
+                known *= v
+        if len(fill) > 1:
+            self.fail(fill[1], f"is -1 and so is {fill[0]}; only one axis may be -1.", "give the others sizes.")
+        sizes = " x ".join(f"{k}={self.value(k)}" for k in axes if self.value(k) != 1) or "all 1"
+        if (fill and total % known) or (not fill and known != total):
+            key = fill[0] if fill else next((k for k in axes if self.value(k) != 1), "ici_fsdp_parallelism")
+            self.fail(
+                key,
+                f"the mesh ({sizes}) does not fit {total} devices ({topo.nodes} node(s) x {topo.gpus_per_node}).",
+                "make the product of the ici_*_parallelism sizes equal the device count, or set one to -1.",
+            )
+        for key in (
+            k
+            for k, v in maxtext_keys.defaults().items()
+            if k.startswith("dcn_") and k.endswith("_parallelism") and isinstance(v, int)
+        ):
+            if self.value(key) not in (1, -1):
+                self.fail(
+                    key,
+                    "is not 1, but on GPUs and CPUs MaxText sees all devices as one slice.",
+                    "put the size in the matching ici_*_parallelism key instead.",
+                )
+        ep = self.value("ici_expert_parallelism")
+        if ep == -1:
+            ep = total // known
+        if self.value("num_experts") % ep:
+            self.fail(
+                "ici_expert_parallelism",
+                f"is {ep}, which does not divide num_experts={self.value('num_experts')}.",
+                "choose an expert-parallel size that divides the number of experts.",
+            )
+
+
+def _moe(comp: Composition, check: _Checker, hw: Hardware) -> dict[str, Any]:
+    """The `moe` section with defaults: MaxText's own block unless `impl: ours` asks for ours."""
+    sec = comp.sections["moe"]
+    for key, v in sec.items():
+        if v.value not in MOE_CHOICES[key]:
+            raise UserError(
+                f"must be one of {', '.join(MOE_CHOICES[key])}, got {v.value!r}.", key=f"moe.{key}", source=v.source
+            )
+    impl = sec["impl"].value if "impl" in sec else "maxtext"
+    if impl == "maxtext":
+        # An explicit `impl: maxtext` (say, a command-line override of a recipe using ours) drops our
+        # block's settings; setting them with no impl at all is a mistake worth a message.
+        extra = next((k for k in sec if k != "impl"), None)
+        if extra and "impl" not in sec:
+            raise UserError(
+                "applies only to moe.impl: ours; MaxText's own block is tuned with MaxText keys "
+                "(use_tokamax_gmm, te_moe_block).",
+                key=f"moe.{extra}",
+                source=sec[extra].source,
+                fix="set moe.impl: ours, or remove it.",
+            )
+        return {"impl": impl}
+    where = sec["impl"].source
+    gemm = sec["gemm"].value if "gemm" in sec else ("te" if hw.maxtext_hardware == "gpu" else "ragged_dot")
+    if gemm == "te" and hw.maxtext_hardware != "gpu":
+        raise UserError(
+            f"is te, but Transformer Engine's grouped GEMM needs an NVIDIA GPU and this recipe runs on {hw.name}.",
+            key="moe.gemm",
+            source=sec["gemm"].source if "gemm" in sec else where,
+            fix="use moe.gemm: ragged_dot (or tokamax) on the CPU.",
+        )
+    fp8 = sec["fp8"].value if "fp8" in sec else "none"
+    if fp8 != "none":
+        # MaxText's TE block has FP8 experts only as MXFP8 (Blackwell); ours adds TE's current scaling (Hopper too).
+        if not hw.fp8:
+            raise UserError(
+                f"is {fp8}, but {hw.name} has no FP8 matrix units.",
+                key="moe.fp8",
+                source=sec["fp8"].source,
+                fix="set moe.fp8: none, or run on an FP8 GPU (topology.hardware: h100, h200, gb200, gb300).",
+            )
+        if gemm != "te":
+            raise UserError(
+                f"is {fp8}, but FP8 expert GEMMs run on Transformer Engine's grouped GEMM only, and "
+                f"moe.gemm is {gemm}.",
+                key="moe.fp8",
+                source=sec["fp8"].source,
+                fix="set moe.gemm: te, or moe.fp8: none.",
+            )
+    exchange = sec["exchange"].value if "exchange" in sec else "auto"
+    if exchange == "ragged_all_to_all" and hw.maxtext_hardware != "gpu":
+        raise UserError(
+            f"is ragged_all_to_all, which XLA implements on GPUs only, and this recipe runs on {hw.name}.",
+            key="moe.exchange",
+            source=sec["exchange"].source,
+            fix="use moe.exchange: auto (or all_to_all).",
+        )
+    if check.value("decoder_block") != "deepseek":
+        check.fail(
+            "decoder_block",
+            f"is {check.value('decoder_block')!r}, but moe.impl: ours replaces the routed "
+            "experts of MaxText's DeepSeek decoder layer only.",
+            "use a DeepSeek model (decoder_block: deepseek), or remove moe.impl.",
+        )
+    if check.value("num_experts") <= 1:
+        check.fail(
+            "num_experts",
+            "is 1: moe.impl: ours replaces the routed-expert block, which this model lacks.",
+            "remove moe.impl, or give the model experts.",
+        )
+    if check.value("te_moe_block"):
+        check.fail(
+            "te_moe_block",
+            "is true, but moe.impl: ours replaces the routed-expert block with ours.",
+            "choose one: set te_moe_block: false, or remove moe.impl.",
+        )
+
+    def split(axis: str) -> str | None:
+        """The first of ici_/dcn_`axis`_parallelism that splits the mesh (-1 included), or None."""
+        return next((k for net in ("ici", "dcn") if check.value(k := f"{net}_{axis}_parallelism") != 1), None)
+
+    expert_parallel = split("expert") is not None
+    # Our dispatch runs over the mesh axis `expert` (`integration.py`); these MaxText EP variants use others.
+    if expert_parallel and check.value("use_ring_of_experts"):
+        check.fail(
+            "use_ring_of_experts",
+            "is true, but moe.impl: ours does its own expert-parallel dispatch "
+            "(deduplicated ragged all-to-all), not MaxText's ring of experts.",
+            "set use_ring_of_experts: false, or use moe.impl: maxtext.",
+        )
+    if expert_parallel and check.value("custom_mesh_and_rule") == "cp-as-ep":
+        check.fail(
+            "custom_mesh_and_rule",
+            "is cp-as-ep, but moe.impl: ours dispatches over the expert axis alone.",
+            "remove custom_mesh_and_rule, or use moe.impl: maxtext.",
+        )
+    if expert_parallel and split("pipeline"):
+        check.fail(
+            split("pipeline"),
+            "is not 1, but moe.impl: ours does not run expert parallelism inside MaxText's pipeline stages.",
+            "set it to 1, or use moe.impl: maxtext.",
+        )
+    if expert_parallel and gemm == "te" and check.value("scan_layers"):
+        # Seen 5 times on two H200s (JAX 0.11.2, TE 2.20.2, one or two processes, either exchange): the
+        # Python fault handler stops in XLA's backend_compile_and_load; scan_layers: false trained.
+        check.fail(
+            "scan_layers",
+            "is true, but with moe.gemm: te and expert parallelism XLA's compiler crashes "
+            "(segmentation fault) on scanned decoder layers; unrolled layers train.",
+            "set scan_layers: false, or moe.gemm: tokamax.",
+        )
+    residuals = sec["attention_residuals"].value if "attention_residuals" in sec else "recompute"
+    if residuals == "save" and check.value("attention") not in FLASH_ATTENTION:
+        raise UserError(
+            f"is save, but attention is {check.value('attention')!r}; only cuDNN flash attention's forward "
+            "outputs are kept this way.",
+            key="moe.attention_residuals",
+            source=sec["attention_residuals"].source,
+            fix=f"set attention to one of {', '.join(FLASH_ATTENTION)}, or moe.attention_residuals: recompute.",
+        )
+    return {
+        "impl": impl,
+        "gemm": gemm,
+        "te_gemm_path": sec["te_gemm_path"].value if "te_gemm_path" in sec else "auto",
+        "fp8": fp8,
+        "exchange": exchange,
+        "attention_residuals": residuals,
+    }
+
+
+def _env(comp: Composition) -> dict[str, str]:
+    env = {k: _env_str(v.value) for k, v in comp.sections["env"].items()}
+    flags = comp.sections["xla_flags"]
+    if flags:
+        if "XLA_FLAGS" in env:
+            raise UserError(
+                "is set directly and through xla_flags; use one.",
+                key="env.XLA_FLAGS",
+                source=comp.source("env", "XLA_FLAGS"),
+                fix="move the flags into the xla_flags section.",
+            )
+        env["XLA_FLAGS"] = " ".join(f"--{k}={_env_str(v.value)}" for k, v in flags.items())
+    return env
+
+
+def _env_str(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def resolve(comp: Composition) -> ResolvedRecipe:
+    """Validate `comp` and derive what it implies (MaxText's `hardware`, the environment)."""
+    check = _Checker(comp)
+    check.types_and_ranges()
+    topo = check.topology()
+    hw = topo.profile
+    if "hardware" in check.maxtext and check.maxtext["hardware"] != hw.maxtext_hardware:
+        check.fail(
+            "hardware",
+            f"is '{check.maxtext['hardware']}' but topology.hardware is {hw.name}, "
+            f"which MaxText calls '{hw.maxtext_hardware}'.",
+            "leave MaxText's hardware key unset; it is derived from topology.hardware.",
+        )
+    check.hardware_contradictions(hw)
+    check.mesh(topo)
+    maxtext = dict(check.maxtext, hardware=hw.maxtext_hardware)
+    sources = {f"{section}.{k}": v.source for section, values in comp.sections.items() for k, v in values.items()}
+    sources["maxtext.hardware"] = f"derived from topology.hardware ({sources.get('topology.hardware')})"
+    corpus = {k: v.value for k, v in comp.sections["corpus"].items()} or None
+    if corpus is not None and not maxtext.get("grain_train_files"):
+        out = Path(str(maxtext.get("base_output_directory") or "runs"))
+        maxtext["grain_train_files"] = corpus_files.file_pattern(corpus_files.default_dir(out))
+        sources["maxtext.grain_train_files"] = f"derived from the corpus section ({sources.get('corpus.source')})"
+    moe = _moe(comp, check, hw)
+    for key in moe:
+        sources.setdefault(f"moe.{key}", f"default for {hw.name}" if key == "gemm" else "default")
+    return ResolvedRecipe(
+        name=comp.name,
+        description=comp.description,
+        maxtext=maxtext,
+        env=_env(comp),
+        topology=topo,
+        corpus=corpus,
+        moe=moe,
+        sources=sources,
+        files=list(comp.files),
+    )

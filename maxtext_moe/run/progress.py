@@ -1,0 +1,93 @@
+"""One readable progress line per step: step, loss, tokens/s and the time left.
+
+MaxText logs a long line per step among hundreds of INFO lines and never says how long the run
+has left. It can also append each step's scalars to a JSON-lines file (`metrics_file`); this
+module follows that file from a background thread and prints a short line with an ETA, so the
+terminal stays readable while MaxText's full log goes to a file.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+
+def read_metrics(path: Path) -> dict[int, dict]:
+    """Step -> MaxText's scalars from a metrics file; a resumed run appends, later lines win."""
+    out: dict[int, dict] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        m = json.loads(line)
+        out[int(m["step"])] = m
+    return out
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+class Progress:
+    """Follows `metrics_file` from byte `offset` and reports each new step until stopped."""
+
+    def __init__(self, metrics_file: Path, total_steps: int, out: Callable[[str], None] = print, poll_s: float = 0.2):
+        self.path = metrics_file
+        self.total = total_steps
+        self.out = out
+        self.poll_s = poll_s
+        self.offset = metrics_file.stat().st_size if metrics_file.exists() else 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._follow, name="maxtext-moe-progress", daemon=True)
+        self._times: list[tuple[int, float]] = []
+        self.last: dict | None = None
+
+    def __enter__(self) -> Progress:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._drain()
+
+    def _follow(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self._drain()
+
+    def _drain(self) -> None:
+        if not self.path.exists():
+            return
+        if self.path.stat().st_size < self.offset:  # MaxText truncates the file when it starts at step 0
+            self.offset = 0
+        with open(self.path, encoding="utf-8") as f:
+            f.seek(self.offset)
+            while True:
+                line = f.readline()
+                if not line.endswith("\n"):
+                    break
+                self.offset += len(line.encode("utf-8"))
+                try:
+                    self.report(json.loads(line))
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    continue
+
+    def report(self, m: dict) -> None:
+        step = int(m["step"])
+        now = time.monotonic()
+        self._times.append((step, now))
+        self._times = self._times[-20:]
+        eta = ""
+        if len(self._times) >= 3:  # the first steps include compilation
+            (s0, t0), (s1, t1) = self._times[1], self._times[-1]
+            if s1 > s0:
+                eta = f" | ETA {_duration((t1 - t0) / (s1 - s0) * (self.total - 1 - step))}"
+        self.last = m
+        self.out(
+            f"step {step + 1:>5}/{self.total} | loss {m['learning/loss']:.4f}"
+            f" | {m.get('perf/per_device_tokens_per_sec', 0.0):,.0f} tokens/s/device"
+            f" | {m.get('perf/step_time_seconds', 0.0):.2f} s/step{eta}"
+        )

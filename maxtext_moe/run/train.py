@@ -1,0 +1,172 @@
+"""Run MaxText's pre-training loop for a resolved recipe.
+
+The order is the point: check the recipe's XLA flags against XLA, guard the run folder, build the
+corpus, set the recipe's environment (XLA_FLAGS and friends are read when jax starts, so nothing here
+imports jax before this), check the keys with MaxText's own model, then call MaxText's `train.main`
+with exactly those keys.
+MaxText's full INFO log goes to `<run>/maxtext.log`; the terminal gets one progress line a step.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, redirect_stdout
+from dataclasses import dataclass
+from pathlib import Path
+
+from maxtext_moe.data import corpus
+from maxtext_moe.errors import UserError
+from maxtext_moe.recipe import advice, maxtext_keys, xla_flags
+from maxtext_moe.recipe.resolved import ResolvedRecipe
+from maxtext_moe.run import distributed, run_dir
+from maxtext_moe.run.progress import Progress
+from maxtext_moe.upstream import maxtext_config, remat
+
+
+class Stopped(Exception):
+    """Training stopped early but cleanly (SIGTERM): the latest state is checkpointed."""
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    output: Path
+    run: Path
+
+    @property
+    def metrics(self) -> Path:
+        return self.run / "metrics.jsonl"
+
+    @property
+    def log(self) -> Path:
+        return self.run / "maxtext.log"
+
+
+def run_paths(resolved: ResolvedRecipe) -> RunPaths:
+    out = Path(str(resolved.maxtext.get("base_output_directory") or "runs")).expanduser().resolve()
+    return RunPaths(out, out / str(resolved.maxtext.get("run_name") or resolved.name))
+
+
+@contextmanager
+def _maxtext_logging(log_file: Path, verbose: bool) -> Iterator[None]:
+    """Send MaxText's (absl/Python) log to `log_file`; to the terminal only with --verbose.
+
+    Importing MaxText's training module installs its own INFO console handler on the root logger
+    and prints a line per optional Google Cloud dependency it stubs out; the import happens here,
+    its printing goes to the log file, and handlers that are not ours are silenced.
+    """
+    chatter = io.StringIO()
+    with redirect_stdout(chatter):
+        from maxtext.trainers.pre_train import train as _  # noqa: F401  (installs upstream handlers now)
+
+    root = logging.getLogger()
+    upstream = [(h, h.level) for h in root.handlers]
+    for h, _level in upstream:
+        h.setLevel(logging.INFO if verbose else logging.ERROR)
+    handlers: list[logging.Handler] = [logging.FileHandler(log_file, encoding="utf-8")]
+    handlers[0].setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    console = logging.StreamHandler(sys.stderr)
+    console.setLevel(logging.INFO if verbose else logging.ERROR)
+    handlers.append(console)
+    old_level = root.level
+    root.setLevel(logging.INFO)
+    for h in handlers:
+        root.addHandler(h)
+    for line in chatter.getvalue().splitlines():
+        logging.getLogger("maxtext-moe").info("MaxText import: %s", line)
+    try:
+        yield
+    finally:
+        for h in handlers:
+            root.removeHandler(h)
+            h.close()
+        for h, level in upstream:
+            h.setLevel(level)
+        root.setLevel(old_level)
+
+
+def train(
+    resolved: ResolvedRecipe, *, force: bool = False, verbose: bool = False, out: Callable[[str], None] = print
+) -> dict | None:
+    """Train `resolved` to its `steps`, resuming from the latest checkpoint; returns the last metrics."""
+    rp = run_paths(resolved)
+    xla_flags.check(resolved)  # XLA would abort the run on a flag it does not know, after the start-up
+    os.environ.update(resolved.env)
+    # MaxText 0.2.5 looks for its tokenizers under a source checkout's src/maxtext/assets; point it at
+    # the installed package's copy so `tokenizer_path: tokenizer.llama2` works from a pip install.
+    os.environ.setdefault("MAXTEXT_ASSETS_ROOT", str(maxtext_keys.assets_dir()))
+    # MaxText imports transformers for tokenizer and model-config classes; its start-up notices
+    # (no PyTorch, RoPE config names) say nothing about this run.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    # Several processes: start jax.distributed now, before any device use, so that process 0 alone
+    # guards the run folder and writes the corpus while the others wait (distributed.leader_first).
+    proc = distributed.initialize(
+        resolved.topology, timeout_s=int(resolved.effective("jax_distributed_initialization_timeout"))
+    )
+    out = out if proc.is_leader else distributed.quiet
+    expert_parallel = any(resolved.effective(f"{net}_expert_parallelism") != 1 for net in ("ici", "dcn"))
+    if warning := distributed.layout_warning(proc, resolved.topology, expert_parallel):
+        out(warning)
+    for note in advice.notes(resolved):
+        out(note)
+    with distributed.leader_first(proc, "run folder"):
+        found = (
+            run_dir.prepare(rp.run, resolved.checkpoint_identity(), force=force, log=out)
+            if proc.is_leader
+            else run_dir.scan(rp.run / "checkpoints")
+        )
+    steps = int(resolved.effective("steps"))
+    start = 0 if found.latest is None else found.latest + 1
+    if start >= steps:
+        out(f"{rp.run}: already trained {start} of {steps} steps; nothing to do. Raise steps=N to train further.")
+        return None
+    maxtext = dict(
+        resolved.maxtext,
+        base_output_directory=str(rp.output),
+        run_name=rp.run.name,
+        metrics_file=str(rp.metrics) if proc.is_leader else "",
+    )  # MaxText appends from every process
+    if resolved.corpus is not None:
+        source = resolved.sources.get("corpus.source", resolved.name)
+        with distributed.leader_first(proc, "corpus"):
+            maxtext["grain_train_files"] = corpus.prepare(
+                resolved.corpus, source, corpus.default_dir(rp.output), log=out
+            )
+    with _maxtext_logging(proc.per_process(rp.log), verbose):
+        if resolved.moe["impl"] == "ours":  # before MaxText builds the model; after jax.distributed is up (TE probe)
+            from maxtext_moe.upstream import deepseek_layer
+
+            deepseek_layer.install(resolved.moe)
+            if resolved.moe["attention_residuals"] == "save":
+                remat.install()
+        config = maxtext_config.check(maxtext, resolved.sources)
+        out(
+            f"{resolved.name}: {config.num_decoder_layers} decoder layers, {resolved.topology.num_devices} device(s) "
+            f"of {resolved.topology.hardware}, "
+            + (f"resuming from step {start}" if start else "starting from scratch")
+            + f", training to step {steps}; checkpoints and TensorBoard in {rp.run}, MaxText log in {rp.log}"
+        )
+        from maxtext.trainers.pre_train import train as maxtext_train
+
+        with Progress(rp.metrics, steps, out=out) as progress:
+            try:
+                maxtext_train.main(maxtext_config.argv(maxtext))
+            except Exception as e:
+                if start and progress.last is None:
+                    raise UserError(
+                        f"MaxText failed before its first step while resuming from the checkpoint at step "
+                        f"{found.latest} in {rp.run / 'checkpoints'}: {type(e).__name__}: {e}. Nothing was deleted.",
+                        fix="if the checkpoint is at fault, move that step's folder aside to resume from an earlier "
+                        f"one, or choose another run_name; details in {rp.log}.",
+                    ) from e
+                raise
+    last = progress.last
+    if last is not None and int(last["step"]) + 1 < steps:
+        raise Stopped(
+            f"stopped after step {int(last['step']) + 1} of {steps} on a termination signal; its checkpoint "
+            f"is saved in {rp.run / 'checkpoints'}. Run the same command again to resume."
+        )
+    return last

@@ -1,0 +1,219 @@
+"""`maxtext-moe bench`: time a recipe's real training steps and report them against the plan.
+
+MaxText prints a per-step TFLOP/s by its own count, but no median over a steady window, no MFU
+against a stated peak, no peak device memory, and no comparison with a prediction. This module runs
+the recipe through the same launcher as `train` (warm-up steps, then timed steps, no checkpoints),
+reads MaxText's per-step scalars back, and reports median/min/max step time, tokens/s/GPU, model
+TFLOPS/GPU by the planner's FLOPs-per-token convention, MFU, peak device memory and the planner's
+predicted step time. A run whose loss is not finite or not falling over the timed steps is still
+reported (the figures are what they are) but marked, and the command then exits non-zero.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from maxtext_moe.errors import UserError
+from maxtext_moe.recipe.resolved import ResolvedRecipe
+from maxtext_moe.run import train
+from maxtext_moe.run.progress import read_metrics
+
+FP8_KEYS = ("quantization", "te_gmm_quantization")
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    recipe: str
+    hardware: str
+    devices: int
+    warmup_steps: int
+    timed_steps: int
+    step_s_median: float
+    step_s_min: float
+    step_s_max: float
+    tokens_per_step: int
+    tokens_per_s_per_gpu: float
+    gflops_per_token: float
+    mtp_layers: int
+    model_tflops_per_gpu: float
+    maxtext_tflops_per_gpu: float
+    mfu_bf16: float | None
+    mfu_fp8: float | None
+    peak_device_memory_gib: float | None
+    host_peak_rss_gib: float
+    predicted_step_s: float | None
+    loss_first: float
+    loss_last: float
+    loss_finite_and_falling: bool  # mean of the second half of the timed steps below the first half's
+    date: str
+    settings: dict[str, Any]  # the MaxText keys the bench ran with
+    moe: dict[str, Any]  # the recipe's moe section (which routed-MoE block and grouped GEMM)
+    profile: dict[str, Any] | None = None  # profile_summary of two warm-up steps (--profile)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def render(self) -> str:
+        pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"  # noqa: E731
+        mem = "n/a" if self.peak_device_memory_gib is None else f"{self.peak_device_memory_gib:.1f} GiB"
+        rows = [
+            ("recipe", f"{self.recipe} on {self.devices} x {self.hardware}"),
+            ("MoE block", ", ".join(f"{k} {v}" for k, v in self.moe.items())),
+            ("steps", f"{self.warmup_steps} warm-up + {self.timed_steps} timed"),
+            ("step time", f"median {self.step_s_median:.3f} s (min {self.step_s_min:.3f}, max {self.step_s_max:.3f})"),
+            (
+                "predicted step time",
+                "n/a (no device peak)"
+                if self.predicted_step_s is None
+                else f"{self.predicted_step_s:.3f} s (maxtext-moe plan)",
+            ),
+            ("tokens/s/GPU", f"{self.tokens_per_s_per_gpu:,.0f}"),
+            (
+                "model TFLOPS/GPU",
+                f"{self.model_tflops_per_gpu:.1f} ({self.gflops_per_token:.2f} GFLOP/token, "
+                f"MTP layers: {self.mtp_layers}); MaxText's count {self.maxtext_tflops_per_gpu:.1f}",
+            ),
+            (
+                "MFU",
+                f"{pct(self.mfu_bf16)} of BF16 dense peak"
+                + (f", {pct(self.mfu_fp8)} of FP8 peak" if self.mfu_fp8 is not None else ""),
+            ),
+            ("peak device memory", mem),
+            ("host peak RSS", f"{self.host_peak_rss_gib:.1f} GiB"),
+            ("loss", f"{self.loss_first:.4f} -> {self.loss_last:.4f} over the timed steps"),
+        ]
+        if self.profile:
+            rows.append(("profile (warm-up)", f"{self.profile['trace']}"))
+            total, traced = self.profile["total_ms"], len(PROFILED_STEPS)
+            rows += [
+                (f"  {name}", f"{ms / traced:.1f} ms/step ({ms / total:.1%} of kernel time)")
+                for name, ms in self.profile["categories"]
+            ]
+            rows += [
+                (f"  busy {p['plane']}", f"{p['busy_ms'] / p['span_ms']:.0%} of the traced span")
+                for p in self.profile.get("per_plane", [])
+                if p["span_ms"]
+            ]
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+
+
+def _peak_device_memory_gib() -> float | None:
+    import jax
+
+    stats = jax.local_devices()[0].memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    return None if peak is None else peak / 2**30
+
+
+PROFILED_STEPS = (1, 2)  # warm-up steps after the compiling one: the timed steps stay untraced
+
+
+def run(
+    resolved: ResolvedRecipe, *, steps: int, warmup: int, profile: bool = False, out: Callable[[str], None] = print
+) -> BenchResult | None:
+    """Train `warmup + steps` steps of `resolved` in a fresh run folder and summarise the timed ones;
+    with `profile`, MaxText traces warm-up steps 1-2 and the summary says where their device time went.
+
+    Returns None in every process but the first of a multi-process run.
+    """
+    from maxtext_moe import plan
+    from maxtext_moe.plan import flops as plan_flops
+
+    if steps < 2 or warmup < 1:
+        raise UserError(
+            f"needs at least 1 warm-up and 2 timed steps, got {warmup} and {steps}.",
+            fix="use --warmup 1 or more and --steps 2 or more.",
+        )
+    if profile and warmup <= PROFILED_STEPS[-1]:
+        raise UserError(
+            f"--profile traces warm-up steps {PROFILED_STEPS[0]}-{PROFILED_STEPS[-1]}, so it needs "
+            f"{PROFILED_STEPS[-1] + 1} or more warm-up steps, got {warmup}.",
+            fix="use --warmup 3 or more.",
+        )
+    total = warmup + steps
+    traced = (
+        dict(profiler="xplane", skip_first_n_steps_for_profiler=PROFILED_STEPS[0], profiler_steps=len(PROFILED_STEPS))
+        if profile
+        else {}
+    )
+    # No checkpoints, so every bench starts at step 0 and MaxText restarts the metrics file; the name has
+    # no time stamp because every process of a multi-process run must arrive at the same folder.
+    maxtext = dict(
+        resolved.maxtext,
+        steps=total,
+        learning_rate_schedule_steps=total,
+        enable_checkpointing=False,
+        save_checkpoint_on_completion=False,
+        run_name=f"{resolved.maxtext.get('run_name') or resolved.name}-bench",
+        **traced,
+    )
+    bench_recipe = ResolvedRecipe(**{**resolved.__dict__, "maxtext": maxtext})
+    hw = resolved.topology.profile
+    # The planner's step time needs a device peak; on the CPU only its FLOPs count applies.
+    predicted = plan.estimate(bench_recipe) if hw.peak_bf16_tflops else None
+    flops = plan_flops.per_token(plan.Model.from_recipe(bench_recipe), int(bench_recipe.effective("max_target_length")))
+    train.train(bench_recipe, out=out)
+    import jax
+
+    if jax.process_index() != 0:  # one process writes the metrics file and reports (multi-process runs)
+        return None
+    metrics = read_metrics(train.run_paths(bench_recipe).metrics)
+    timed = [metrics[s] for s in range(warmup, total) if s in metrics]
+    if len(timed) != steps:
+        raise UserError(
+            f"MaxText reported {len(timed)} of the {steps} timed steps.",
+            fix=f"see {train.run_paths(bench_recipe).log}.",
+        )
+    times = [m["perf/step_time_seconds"] for m in timed]
+    losses = [m["learning/loss"] for m in timed]
+    half = len(losses) // 2
+    learning = all(math.isfinite(v) for v in losses) and statistics.mean(losses[half:]) < statistics.mean(losses[:half])
+    median = statistics.median(times)
+    devices = resolved.topology.num_devices
+    tokens = int(round(timed[0]["perf/per_device_tokens"] * devices))
+    gflops = flops.total / 1e9
+    tflops = gflops * 1e9 * tokens / median / devices / 1e12
+    fp8 = any("fp8" in str(resolved.effective(k) or "") for k in FP8_KEYS) or resolved.moe.get("fp8", "none") != "none"
+    return BenchResult(
+        recipe=resolved.name,
+        hardware=hw.name,
+        devices=devices,
+        warmup_steps=warmup,
+        timed_steps=steps,
+        step_s_median=median,
+        step_s_min=min(times),
+        step_s_max=max(times),
+        tokens_per_step=tokens,
+        tokens_per_s_per_gpu=tokens / median / devices,
+        gflops_per_token=gflops,
+        mtp_layers=int(resolved.effective("mtp_num_layers") or 0),
+        model_tflops_per_gpu=tflops,
+        maxtext_tflops_per_gpu=statistics.median(m["perf/per_device_tflops_per_sec"] for m in timed),
+        mfu_bf16=tflops / hw.peak_bf16_tflops if hw.peak_bf16_tflops else None,
+        mfu_fp8=tflops / hw.peak_fp8_tflops if fp8 and hw.peak_fp8_tflops else None,
+        peak_device_memory_gib=_peak_device_memory_gib(),
+        host_peak_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        predicted_step_s=predicted.step_s if predicted else None,
+        loss_first=losses[0],
+        loss_last=losses[-1],
+        loss_finite_and_falling=learning,
+        date=time.strftime("%Y-%m-%d"),
+        settings=maxtext,
+        moe=resolved.moe,
+        profile=profile.summarize(profile.find_trace(train.run_paths(bench_recipe).run), top=25) if profile else None,
+    )
+
+
+def write_json(result: BenchResult, path: Path) -> None:
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result.to_json(), indent=1, default=str))

@@ -1,0 +1,317 @@
+"""`maxtext-moe doctor`: what a recipe needs against what this machine has, one line each.
+
+Nothing upstream answers "can this recipe run here?" before the expensive part: MaxText learns
+that TE is missing when it imports it mid-setup, that the GPU has no MXFP8 when XLA compiles, and
+that NCCL is too old for TE's NCCL EP when the first all-to-all launches; TE picks its grouped
+GEMM path from its compile-time cuBLAS version and fails at run time on an older library
+(shared/device/README.md). This module probes the machine without building anything (library
+versions through ctypes and package metadata; jax is imported, TE only when installed) and
+compares it with the resolved recipe. Every gap carries its fix; any gap makes the exit status 1.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import importlib.metadata
+import importlib.util
+import json
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from maxtext_moe.errors import UserError
+from maxtext_moe.recipe import xla_flags
+from maxtext_moe.recipe.resolved import ResolvedRecipe
+from maxtext_moe.recipe.validate import FP8_QUANTIZATIONS, MXFP8
+from maxtext_moe.run import distributed
+
+NCCL_EP_MIN = (2, 30, 4)  # TE's ep_dispatch/ep_combine (DESIGN.md section 2)
+FP8_MIN_CC = (8, 9)
+MXFP8_MIN_CC = (10, 0)
+NCCL_EP_MIN_CC = (9, 0)
+TE_FIX = (
+    "install Transformer Engine's JAX bindings: pip install '.[gpu]' (transformer-engine[jax]==2.20.2), "
+    "or use the container (docs/CLUSTER.md)"
+)
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What this process can see; plain data so that tests can describe other machines."""
+
+    jax_version: str
+    backend: str
+    device_kind: str
+    local_devices: int
+    compute_capability: tuple[int, int] | None
+    te_version: str | None
+    te_error: str | None  # why `transformer_engine.jax` did not import; None when it did (or is absent)
+    te_compiled_v2: bool | None
+    cublaslt: int | None  # runtime cuBLASLt version, e.g. 130100
+    nccl: tuple[int, int, int] | None
+    host_mem_gib: float
+
+
+@dataclass(frozen=True)
+class Line:
+    item: str
+    have: str
+    status: str  # "ok", "info" or "gap"
+    fix: str = ""
+
+
+def _nvidia_lib(stem: str) -> str | None:
+    """A CUDA library from the pip `nvidia-*` wheels (where jax[cuda13] gets it), else the loader's."""
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations if spec else []) or []:
+        found = sorted(Path(root).glob(f"**/lib/{stem}.so*"))
+        if found:
+            return str(found[0])
+    return ctypes.util.find_library(stem.removeprefix("lib"))
+
+
+def _call_version(stem: str, symbol: str, by_pointer: bool) -> int | None:
+    path = _nvidia_lib(stem)
+    if path is None:
+        return None
+    try:
+        fn = getattr(ctypes.CDLL(path), symbol)
+    except (OSError, AttributeError):
+        return None
+    if by_pointer:
+        v = ctypes.c_int(0)
+        return v.value if fn(ctypes.byref(v)) == 0 else None
+    fn.restype = ctypes.c_size_t
+    return int(fn())
+
+
+def nccl_version(code: int) -> tuple[int, int, int]:
+    """NCCL's integer version (since 2.9: major*10000 + minor*100 + patch; before: *1000 + *100)."""
+    if code >= 20900:
+        return code // 10000, code % 10000 // 100, code % 100
+    return code // 1000, code % 1000 // 100, code % 100
+
+
+def _dist_version(*names: str) -> str | None:
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def probe() -> Machine:
+    """Look at this machine; jax must see the recipe's environment already (see `run`)."""
+    import jax
+
+    devices = jax.local_devices()
+    d = devices[0]
+    cc = getattr(d, "compute_capability", None)
+    te_version = _dist_version(
+        "transformer_engine_jax", "transformer-engine-jax", "transformer_engine", "transformer-engine"
+    )
+    te_error = compiled_v2 = cublaslt = None
+    if importlib.util.find_spec("transformer_engine") is not None:
+        try:  # after jax.devices(): the CUDA plugin has loaded the cuBLAS TE binds to (device/README.md)
+            from maxtext_moe.upstream import te
+
+            cublaslt = te.runtime_cublaslt()
+            compiled_v2 = te.v2_grouped_gemm_compiled()
+        except Exception as e:  # noqa: BLE001 - any import failure is the finding
+            te_error = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+    if cublaslt is None:
+        cublaslt = _call_version("libcublasLt", "cublasLtGetVersion", by_pointer=False)
+    nccl = _call_version("libnccl", "ncclGetVersion", by_pointer=True)
+    return Machine(
+        jax_version=jax.__version__,
+        backend=jax.default_backend(),
+        device_kind=d.device_kind,
+        local_devices=len(devices),
+        compute_capability=tuple(int(x) for x in str(cc).split(".")[:2]) if cc else None,
+        te_version=te_version,
+        te_error=te_error,
+        te_compiled_v2=compiled_v2,
+        cublaslt=cublaslt,
+        nccl=nccl_version(nccl) if nccl else None,
+        host_mem_gib=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,
+    )
+
+
+def _sm(cc: tuple[int, int] | None) -> str:
+    return f"SM{cc[0]}{cc[1]}" if cc else "no compute capability"
+
+
+def _dotted(v: tuple[int, ...]) -> str:
+    return ".".join(map(str, v))
+
+
+def te_reasons(r: ResolvedRecipe) -> list[str]:
+    """The recipe keys that make it need Transformer Engine."""
+    reasons = [
+        f"{k}={r.effective(k)}"
+        for k in ("quantization", "te_gmm_quantization")
+        if str(r.effective(k) or "").startswith("te_") and (k == "quantization" or r.effective("te_moe_block"))
+    ]
+    if r.effective("te_moe_block"):
+        reasons.insert(0, "te_moe_block=true")
+    if r.effective("attention") == "cudnn_flash_te":
+        reasons.append("attention=cudnn_flash_te")
+    if r.moe.get("gemm") == "te":  # our MoE layer's grouped GEMMs (maxtext_moe/moe/gemm.py)
+        reasons.append("moe.gemm=te")
+    return reasons
+
+
+def compare(m: Machine, r: ResolvedRecipe) -> list[Line]:
+    """One line per fact; a `gap` line for each requirement of `r` this machine does not meet."""
+    t, hw = r.topology, r.topology.profile
+    gpu = hw.maxtext_hardware == "gpu"
+    on_gpu = m.backend == "gpu"
+    lines = [
+        Line(
+            "jax",
+            f"{m.jax_version}, backend {m.backend}",
+            "ok" if on_gpu or not gpu else "gap",
+            ""
+            if on_gpu or not gpu
+            else f"the recipe runs on {hw.name} GPUs (topology.hardware); run it on a "
+            "GPU machine with jax[cuda13]==0.11.2 (pip install '.[gpu]'), or choose a CPU recipe",
+        )
+    ]
+    gpu_have = f"{m.device_kind}, {_sm(m.compute_capability)}" if on_gpu else "none (no CUDA device visible to jax)"
+    need_cc = max(
+        [hw.compute_capability or (0, 0)]
+        + [FP8_MIN_CC] * (str(r.effective("quantization") or "") in FP8_QUANTIZATIONS)
+        + [MXFP8_MIN_CC] * (MXFP8 in (str(r.effective("quantization")), str(r.effective("te_gmm_quantization"))))
+    )
+    cc_short = gpu and on_gpu and (m.compute_capability or (0, 0)) < need_cc
+    if gpu:
+        gpu_have += f"; recipe needs {_sm(need_cc)}+ ({hw.name}, quantization keys)"
+    lines.append(
+        Line(
+            "gpu",
+            gpu_have,
+            "gap" if cc_short else ("ok" if on_gpu else "info"),
+            f"the recipe needs {_sm(need_cc)} or newer ({hw.name}, quantization keys); run it on such GPUs "
+            "or drop the FP8/MXFP8 fragment"
+            if cc_short
+            else "",
+        )
+    )
+    per_process = t.gpus_per_node
+    comparable = on_gpu or not gpu  # a GPU recipe's device count means nothing on a CPU backend
+    short = comparable and m.local_devices < per_process
+    lines.append(
+        Line(
+            "devices",
+            f"{m.local_devices} local {m.device_kind} device(s); recipe wants {per_process} per node "
+            f"x {t.nodes} node(s)",
+            "gap" if short else ("ok" if comparable else "info"),
+            f"set topology.gpus_per_node={m.local_devices} (and the ici_*_parallelism sizes), or run where "
+            f"{per_process} devices are visible (CUDA_VISIBLE_DEVICES)"
+            if short
+            else "",
+        )
+    )
+    needs_te = te_reasons(r)
+    te_ok = m.te_version is not None and m.te_error is None
+    te_have = (
+        "not installed"
+        if m.te_version is None
+        else f"{m.te_version}, JAX extension "
+        + ("imports" if m.te_error is None else f"fails to import ({m.te_error})")
+    )
+    lines.append(
+        Line(
+            "transformer-engine",
+            te_have + (f"; needed by {', '.join(needs_te)}" if needs_te else ""),
+            "gap" if needs_te and not te_ok else ("ok" if te_ok else "info"),
+            TE_FIX if needs_te and not te_ok else "",
+        )
+    )
+    if m.cublaslt is not None and m.te_error is None and m.te_version is not None:
+        from maxtext_moe.moe.gemm import TE_V2_MIN_CUBLASLT, te_grouped_gemm_path  # the rule training applies
+
+        requested = r.moe.get("te_gemm_path", "auto")
+        have = (
+            f"cuBLASLt {m.cublaslt}, TE built with V2: {m.te_compiled_v2}; V2 needs >= {TE_V2_MIN_CUBLASLT} on Hopper"
+        )
+        try:
+            path = te_grouped_gemm_path(m.cublaslt, bool(m.te_compiled_v2), requested)
+            lines.append(
+                Line(
+                    "te grouped gemm", f"{'V2 single-kernel' if path == 'v2' else 'V1 per-group'} path ({have})", "info"
+                )
+            )
+        except UserError:
+            lines.append(
+                Line(
+                    "te grouped gemm",
+                    f"moe.te_gemm_path={requested} cannot run here ({have})",
+                    "gap",
+                    "set moe.te_gemm_path=auto (or v1), or use an image with cuBLAS >= 13.4",
+                )
+            )
+    ep = int(r.effective("ici_expert_parallelism"))
+    needs_ep = bool(r.effective("te_moe_block")) and (ep == -1 or ep > 1)
+    ep_ok = m.nccl is not None and m.nccl >= NCCL_EP_MIN and (m.compute_capability or (0, 0)) >= NCCL_EP_MIN_CC
+    nccl_have = (
+        f"{_dotted(m.nccl)}; NCCL EP {'usable' if ep_ok else 'not usable'} (needs >= {_dotted(NCCL_EP_MIN)} and SM90+)"
+        if m.nccl
+        else "not found"
+    )
+    lines.append(
+        Line(
+            "nccl",
+            nccl_have + ("; needed by te_moe_block with expert parallelism" if needs_ep else ""),
+            "gap" if needs_ep and not ep_ok else "info",
+            f"use an image with NCCL >= {_dotted(NCCL_EP_MIN)} (pip nvidia-nccl-cu13) on SM90+ GPUs, or set "
+            "ici_expert_parallelism=1 / te_moe_block=false"
+            if needs_ep and not ep_ok
+            else "",
+        )
+    )
+    lines.append(Line("host memory", f"{m.host_mem_gib:.0f} GiB", "info"))
+    return lines
+
+
+def render(r: ResolvedRecipe, lines: list[Line]) -> str:
+    width = max(len(x.item) for x in lines)
+    out = [
+        f"{'GAP' if x.status == 'gap' else x.status:<4} {x.item.ljust(width)}  {x.have}"
+        + (f". Fix: {x.fix}." if x.fix else "")
+        for x in lines
+    ]
+    gaps = sum(x.status == "gap" for x in lines)
+    out.append(f"{r.name}: " + (f"cannot run here ({gaps} gap(s) above)" if gaps else "can run here"))
+    return "\n".join(out)
+
+
+def run(
+    r: ResolvedRecipe,
+    *,
+    as_json: bool = False,
+    out: Callable[[str], None] = print,
+    probe_fn: Callable[[], Machine] = probe,
+) -> int:
+    """Print the report; 0 when the recipe can run here, 1 when it cannot."""
+    xla_flags.check(r)  # before the probe starts jax with the recipe's flags: XLA would abort it
+    os.environ.update(r.env)  # what training would see: JAX_PLATFORMS, device count, memory fraction
+    os.environ.update(distributed.process_env(r.topology, os.environ))
+    machine = probe_fn()
+    lines = compare(machine, r)
+    ok = not any(x.status == "gap" for x in lines)
+    if as_json:
+        report: dict[str, Any] = {
+            "recipe": r.name,
+            "can_run": ok,
+            "machine": asdict(machine),
+            "checks": [asdict(x) for x in lines],
+        }
+        out(json.dumps(report, indent=2))
+    else:
+        out(render(r, lines))
+    return 0 if ok else 1

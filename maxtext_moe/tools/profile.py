@@ -1,0 +1,151 @@
+"""Where a profiled training step spends its device time: kernel time by category, by kernel and by HLO op.
+
+Why our own: MaxText writes an XPlane trace (`profiler=xplane`; `maxtext-moe bench --profile` sets it for
+two warm-up steps), but reading it needs TensorBoard's profile plugin (xprof), which a GPU node or the
+lent machine may not have. JAX ships a reader (`jax.profiler.ProfileData`); this module sums the kernel
+events of each GPU plane (on a CPU-only trace: the XLA op events of the host threads) into a short table.
+
+Events are summed per stream, so kernels that overlap on different streams both count: the total can
+exceed the wall span, which is also printed.
+
+    python -m maxtext_moe.tools.profile runs/RUN/tensorboard --top 25 --out summary.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from maxtext_moe.errors import UserError
+
+# Checked in order; the first that matches the lower-cased kernel name or HLO op wins.
+CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("collective (NCCL)", ("nccl", "all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective")),
+    ("attention (cuDNN/flash)", ("cudnn", "fmha", "flash", "sdpa", "dot_product_attention")),
+    ("TE (grouped GEMM, quantize)", ("nvte", "transformer_engine", "grouped")),
+    ("GEMM (cuBLAS/XLA dot)", ("gemm", "cublas", "cutlass", "nvjet", "xmma", "matmul", "dot")),
+    ("copy/memset", ("memcpy", "memset", "copy")),
+)
+
+
+def find_trace(path: Path) -> Path:
+    """`path` itself, or the newest *.xplane.pb under it."""
+    if path.is_file():
+        return path
+    traces = sorted(path.rglob("*.xplane.pb"), key=lambda p: p.stat().st_mtime)
+    if not traces:
+        raise UserError(
+            f"no profile (*.xplane.pb) under {path}.",
+            fix="profile a run first: maxtext-moe bench RECIPE --profile (or profiler=xplane).",
+        )
+    return traces[-1]
+
+
+def category(kernel: str, hlo_op: str) -> str:
+    text = f"{kernel} {hlo_op}".lower()
+    return next((name for name, keys in CATEGORIES if any(k in text for k in keys)), "other (fusions, sort, ...)")
+
+
+def busy_ns(intervals: list[tuple[int, int]]) -> int:
+    """Time covered by at least one of the (start, end) intervals: kernels on several streams overlap, so
+    their summed durations can exceed the time the device had work."""
+    covered, reach = 0, None
+    for start, end in sorted(intervals):
+        if reach is None or start > reach:
+            covered, reach = covered + end - start, end
+        elif end > reach:
+            covered, reach = covered + end - reach, end
+    return covered
+
+
+def summarize(trace: Path, top: int) -> dict[str, Any]:
+    from jax.profiler import ProfileData
+
+    data = ProfileData.from_file(str(trace))
+    planes = [p for p in data.planes if p.name.startswith("/device:GPU")]
+    source = "GPU kernels"
+    if not planes:
+        planes, source = [p for p in data.planes if p.name.startswith("/host:CPU")], "host XLA ops (no GPU plane)"
+    by_kernel: collections.Counter[str] = collections.Counter()
+    by_op: collections.Counter[str] = collections.Counter()
+    by_cat: collections.Counter[str] = collections.Counter()
+    first, last = float("inf"), 0.0
+    per_plane = []
+    for plane in planes:
+        spans = []
+        for line in plane.lines:
+            for ev in line.events:
+                stats = dict(ev.stats)
+                op = str(stats.get("hlo_op", ""))
+                if source != "GPU kernels" and not op:
+                    continue
+                ms = ev.duration_ns / 1e6
+                by_kernel[ev.name] += ms
+                by_op[op or "(no hlo_op)"] += ms
+                by_cat[category(ev.name, op)] += ms
+                spans.append((ev.start_ns, ev.start_ns + ev.duration_ns))
+        if spans:
+            first, last = min(first, min(s for s, _ in spans)), max(last, max(e for _, e in spans))
+            span = max(e for _, e in spans) - min(s for s, _ in spans)
+            per_plane.append(
+                {
+                    "plane": plane.name,
+                    "kernel_ms": sum(e - s for s, e in spans) / 1e6,
+                    "busy_ms": busy_ns(spans) / 1e6,
+                    "span_ms": span / 1e6,
+                }
+            )
+    total = sum(by_cat.values())
+    if not total:
+        raise UserError(f"the profile {trace} holds no device events.", fix="profile again with more steps.")
+    return {
+        "trace": str(trace),
+        "source": source,
+        "planes": [p.name for p in planes],
+        "total_ms": total,
+        "wall_span_ms": (last - first) / 1e6,
+        "per_plane": per_plane,
+        "categories": by_cat.most_common(),
+        "kernels": by_kernel.most_common(top),
+        "hlo_ops": by_op.most_common(top),
+    }
+
+
+def render(s: dict[str, Any]) -> str:
+    lines = [
+        f"{s['source']} in {s['trace']}",
+        f"summed {s['total_ms']:.1f} ms over a wall span of {s['wall_span_ms']:.1f} ms ({', '.join(s['planes'])})",
+    ]
+    lines += [
+        f"  {p['plane']}: busy {p['busy_ms']:.1f} of {p['span_ms']:.1f} ms ({p['busy_ms'] / p['span_ms']:.0%}), "
+        f"kernels summed {p['kernel_ms']:.1f} ms"
+        for p in s["per_plane"]
+        if p["span_ms"]
+    ]
+    lines.append("")
+    for title, rows in (("category", s["categories"]), ("kernel", s["kernels"]), ("HLO op", s["hlo_ops"])):
+        lines.append(f"{'ms':>10} {'share':>6}  {title}")
+        lines += [f"{ms:>10.2f} {ms / s['total_ms']:>6.1%}  {name[:110]}" for name, ms in rows]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("path", type=Path, help="an .xplane.pb file or a folder holding one (newest wins)")
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--out", type=Path, help="also write the summary as JSON")
+    a = ap.parse_args(argv)
+    summary = summarize(find_trace(a.path), a.top)
+    print(render(summary))
+    if a.out:
+        a.out.write_text(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""Every place maxtext-moe reaches into MaxText, Transformer Engine or JAX below their public API.
+
+Each module names the gap it fills. `SYMBOLS` lists what they touch, so that one test
+(tests/unit/test_upstream.py) checks each still exists in the pinned versions before anything else breaks:
+
+- `deepseek_layer`: rebinds `maxtext.models.deepseek.DeepSeekMoELayer` to run our routed experts, and reads
+  `RoutedMoE`'s mesh helpers and loss functions.
+- `maxtext_block`: MaxText's own `RoutedAndSharedMoE` on our parameters (the yardstick in tests, benchmarks).
+- `remat`: wraps `NNXDecoder.get_remat_policy` to keep flash attention's forward outputs.
+- `maxtext_config`: `pyconfig._initialize_pydantic`, MaxText's config model without its `sys.exit`.
+- `maxtext_errors`: unwraps the error `max_utils.transformer_engine_context` turns into a re-yield.
+- `te`: TE's `_v2_grouped_gemm_available` flag (grouped-GEMM path) and its JAX bindings.
+- `jax_coordination`: `jax._src.distributed.global_state.client`, the key-value store of a multi-process run.
+"""
+
+from __future__ import annotations
+
+# (distribution, module, attribute path): what the modules above read or replace.
+SYMBOLS: tuple[tuple[str, str, str], ...] = (
+    ("maxtext", "maxtext.models.deepseek", "DeepSeekMoELayer.mlp_op"),
+    ("maxtext", "maxtext.layers.moe", "RoutedMoE.get_expert_parallelism_size"),
+    ("maxtext", "maxtext.layers.moe", "RoutedMoE.get_ragged_buffer_factor"),
+    ("maxtext", "maxtext.layers.moe", "RoutedMoE._logical_to_mesh_axes"),
+    ("maxtext", "maxtext.layers.moe", "RoutedMoE.load_balance_loss"),
+    ("maxtext", "maxtext.layers.moe", "RoutedMoE.megatron_seq_aux_loss"),
+    ("maxtext", "maxtext.layers.moe", "RoutedAndSharedMoE"),
+    ("maxtext", "maxtext.layers.moe", "uses_megatron_seq_aux_loss"),
+    ("maxtext", "maxtext.layers.moe", "load_balance_updates_from_counts"),
+    ("maxtext", "maxtext.layers.nnx_decoders", "NNXDecoder.get_remat_policy"),
+    ("maxtext", "maxtext.configs.pyconfig", "_initialize_pydantic"),
+    ("maxtext", "maxtext.utils.max_utils", "transformer_engine_context"),
+    ("maxtext", "maxtext.trainers.pre_train.train", "main"),
+    ("jax", "jax._src.distributed", "global_state.client"),
+    ("transformer-engine-jax", "transformer_engine.jax.cpp_extensions.gemm", "_v2_grouped_gemm_available"),
+    ("transformer-engine-jax", "transformer_engine.jax.dense", "grouped_dense"),
+    ("transformer-engine-jax", "transformer_engine.jax.quantize", "QuantizerFactory.create_set"),
+)

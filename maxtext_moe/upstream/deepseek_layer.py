@@ -1,0 +1,257 @@
+"""Put our routed-expert layer inside MaxText's DeepSeek decoder (`moe.impl: ours`).
+
+The gap: MaxText 0.2.5 (pinned) has no hook for another MoE implementation. `DeepSeekMoELayer.__init__`
+builds `moe.RoutedAndSharedMoE` directly, and `NNXDecoder.get_decoder_layers` picks the layer class by
+reading the module attribute `maxtext.models.deepseek.DeepSeekMoELayer` each time a model is built (for the
+decoder stack and the MTP layer alike). So `install` rebinds exactly that one symbol to a subclass.
+
+The subclass keeps MaxText's `__init__`, so the parameters are MaxText's own: same tree
+(`DeepSeekMoeBlock_0/{MoeBlock_0/{gate/{kernel,bias}, wi_0, wi_1, wo}, shared_experts/...}`), shapes,
+logical shardings, initialisers and RNG order; checkpoints move freely between `impl: maxtext` and
+`impl: ours`, and a fixed seed gives the same initial model. It overrides only `mlp_op`, the one place
+the layer calls its MoE block, and computes the routed experts with `layer.routed_experts` (our routing,
+sort and grouped GEMMs on the chosen backend) on the block's own variables; the shared expert stays
+MaxText's `MlpBlock`. What MaxText's loop reads from the block comes out as before: the output, the
+load-balance loss (MaxText's own loss functions, fed our routing) and the aux-loss-free bias update
+(MaxText's `load_balance_updates_from_counts` on our expert counts; the loop adds it to the gate bias).
+
+Expert parallelism: when MaxText's mesh has an `expert` axis of size > 1, the routed experts run through
+`dispatch.ep_routed_sharded` under `shard_map` over MaxText's own mesh, sharded as MaxText's
+`sparse_matmul` shards them: tokens by the logical axes (`activation_batch`, or `decode_batch_moe` for a
+batch of 1, and `activation_norm_length`), experts by their first dimension over `expert`. The exchange is
+`moe.exchange` (`exchange_impl`): by default XLA's dense all-to-all, on CPUs and GPUs alike. The receive
+buffers follow MaxText's `ragged_buffer_factor` (-1: dropless worst case; > 0: that many times the balanced
+rows, and a step that would need more stops with an error, see dispatch.py).
+
+We rebind the DeepSeek layer rather than `moe.RoutedAndSharedMoE` or `moe.RoutedMoE` because those are
+shared by other models and by `maxtext_block.py`, our yardstick, which must stay MaxText's block.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from maxtext.layers import moe as mt_moe
+from maxtext.models import deepseek
+
+from maxtext_moe.errors import UserError
+from maxtext_moe.moe import dispatch, gemm
+from maxtext_moe.moe.gemm import Backend, Fp8
+from maxtext_moe.moe.layer import MoEConfig, Params, gate_logits, routed_experts
+from maxtext_moe.moe.routing import Routing, RoutingConfig
+
+log = logging.getLogger(__name__)
+
+# MaxText's routing semantics for these model names are DeepSeek-V3's (`RoutedMoE.get_topk`).
+_DEEPSEEK_ROUTING_MODELS = ("deepseek3", "kimi-k2")
+
+
+def moe_config(config: Any, fp8: Fp8 = "none") -> MoEConfig:
+    """Our layer's shape from MaxText's config, with the recipe's `moe.fp8` (MaxText has no such key). The
+    dropless host check is off: the expert ids come from `top_k` over exactly `num_experts` columns, so they
+    are in range, and a host callback per layer per step would stall the GPU."""
+    grouped = config.n_routing_groups > 1
+    return MoEConfig(
+        emb_dim=config.emb_dim,
+        moe_mlp_dim=config.moe_mlp_dim,
+        shared_mlp_dim=config.shared_experts * config.moe_mlp_dim,
+        check_dropless=False,
+        fp8=fp8,
+        routing=RoutingConfig(
+            num_experts=config.num_experts,
+            top_k=config.num_experts_per_tok,
+            n_groups=config.n_routing_groups if grouped else 1,
+            topk_groups=config.topk_routing_group if grouped else 1,
+            routed_scaling_factor=config.routed_scaling_factor,
+        ),
+    )
+
+
+def unsupported(config: Any, layer: deepseek.DeepSeekMoELayer) -> list[str]:
+    """What in this configuration our layer does not compute (empty when it can stand in for MaxText's)."""
+    routed = layer.DeepSeekMoeBlock_0.MoeBlock_0
+    checks = {
+        f"model_name={config.model_name} (DeepSeek-V3 routing needs a deepseek3 model)": not str(
+            config.model_name
+        ).startswith(_DEEPSEEK_ROUTING_MODELS),
+        f"routed_score_func={config.routed_score_func!r} (ours scores with sigmoid)": config.routed_score_func
+        != "sigmoid",
+        f"mlp_activations={list(config.mlp_activations)} (ours computes silu(x wi_0) * (x wi_1))": list(
+            config.mlp_activations
+        )
+        != ["silu", "linear"],
+        "mlp_bias=true": bool(config.mlp_bias),
+        "prefuse_moe_weights=true (ours reads wi_0 and wi_1)": bool(config.prefuse_moe_weights),
+        "use_random_routing=true": bool(config.use_random_routing),
+        "moe_expert_input_dim != emb_dim": config.moe_expert_input_dim > 0
+        and config.moe_expert_input_dim != config.emb_dim,
+        f"expert axis {routed._expert_parallelism_name!r} (ours dispatches over the mesh axis 'expert' only)": (
+            routed._expert_parallelism_name != dispatch.EP_AXIS
+        ),
+        "use_ring_of_experts=true (MaxText's own expert-parallel scheme)": bool(config.use_ring_of_experts)
+        and routed.get_expert_parallelism_size() > 1,
+        "pipeline parallelism with expert parallelism (shard_map under the stage vmap)": routed.mesh.shape.get(
+            "stage", 1
+        )
+        > 1
+        and routed.get_expert_parallelism_size() > 1,
+        "mhc_expansion_rate > 1 (MaxText's hyper-connections call the block directly)": bool(layer.is_mhc_enabled),
+        "use_batch_split_schedule=true (it bypasses the layer's MoE call)": bool(config.use_batch_split_schedule),
+    }
+    return [what for what, bad in checks.items() if bad]
+
+
+class OurDeepSeekMoELayer(deepseek.DeepSeekMoELayer):
+    """MaxText's DeepSeek MoE decoder layer whose routed experts run on our layer (see the module docstring)."""
+
+    backend: ClassVar[Backend] = "ragged_dot"  # set by `install`
+    fp8: ClassVar[Fp8] = "none"  # set by `install`
+    exchange: ClassVar[str] = "auto"  # set by `install` (`moe.exchange`)
+
+    def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        refused = unsupported(config, self)
+        if refused:
+            raise UserError(
+                f"is ours, but our layer cannot compute this model's MoE layer: {'; '.join(refused)}.",
+                key="moe.impl",
+                fix="use moe.impl: maxtext for this model, or change those keys.",
+            )
+        self.our_moe_config = moe_config(config, self.fp8)
+        routed = self.DeepSeekMoeBlock_0.MoeBlock_0
+        ranks = routed.get_expert_parallelism_size()
+        if ranks > 1:
+            log.info(
+                "moe.impl=ours: expert parallelism %d (exchange %s, ragged_buffer_factor %s)",
+                ranks,
+                exchange_impl(routed.mesh, self.exchange),
+                routed.get_ragged_buffer_factor(),
+            )
+
+    def mlp_op(self, x: jax.Array, deterministic: bool, *args: Any, **kwargs: Any):
+        """Replaces MaxText's `self.DeepSeekMoeBlock_0(x, ...)`: (output, load-balance loss, bias update)."""
+        block = self.DeepSeekMoeBlock_0
+        cfg, mt = self.our_moe_config, self.config
+        x = x.astype(mt.dtype)
+        tokens = x.reshape(-1, cfg.emb_dim)
+        params = _routed_params(block.MoeBlock_0, cfg.routing.num_experts)
+        if block.MoeBlock_0.get_expert_parallelism_size() > 1:
+            routed, routing = _expert_parallel(block.MoeBlock_0, params, x, cfg, self.backend, self.exchange)
+        else:
+            routed, routing = routed_experts(params, tokens, cfg, self.backend)
+        shared = block.shared_experts(
+            x, intermediate_sharding=self.mlp_intermediate_sharding, out_sharding=self.out_sharding
+        )
+        out = routed.astype(mt.dtype).reshape(x.shape) + shared
+        return (
+            self.with_logical_constraint(out),
+            _load_balance_loss(block.MoeBlock_0, params, tokens, x.shape, routing),
+            _bias_update(mt, routing),
+        )
+
+
+def _routed_params(routed: mt_moe.RoutedMoE, num_experts: int) -> Params:
+    """The `MoeBlock_0` variables as our layer's tree; a model without `routed_bias` selects with bias 0."""
+    bias = routed.gate.bias[...] if routed.gate.bias is not None else jnp.zeros((num_experts,), jnp.float32)
+    return {
+        "gate": {"kernel": routed.gate.kernel[...], "bias": bias},
+        "wi_0": routed.wi_0[...],
+        "wi_1": routed.wi_1[...],
+        "wo": routed.wo[...],
+    }
+
+
+def exchange_impl(mesh: Mesh, requested: str) -> dispatch.Impl:
+    """The EP exchange (`moe.exchange`): "auto" is XLA's dense all-to-all of per-destination blocks, which
+    runs on every backend and across processes; "ragged_all_to_all" (GPUs only) sends no padding but, with
+    one process per GPU, completed no step on two H200s unless XLA's decomposer flag is set (which pads
+    more than "all_to_all" does); see `dispatch._dense_ragged_all_to_all` and docs/PERFORMANCE.md."""
+    if requested == "ragged_all_to_all" and not all(d.platform == "gpu" for d in mesh.devices.flat):
+        raise UserError(
+            "moe.exchange ragged_all_to_all needs GPUs (XLA:CPU does not implement it).",
+            key="moe.exchange",
+            fix="use moe.exchange: auto.",
+        )
+    return "ragged_all_to_all" if requested == "ragged_all_to_all" else "all_to_all"
+
+
+def _expert_parallel(
+    routed: mt_moe.RoutedMoE, params: Params, x: jax.Array, cfg: MoEConfig, backend: Backend, exchange: str
+) -> tuple[jax.Array, Routing]:
+    """The routed experts over MaxText's mesh through our dispatch: (float32 [tokens, D], routing), with the
+    token sharding MaxText's `sparse_matmul` gives its MoE input and its `ragged_buffer_factor`."""
+    batch_axis = "activation_batch" if x.shape[0] > 1 else "decode_batch_moe"  # as `is_batch_sharded_by_ep`
+    spec = routed._logical_to_mesh_axes((batch_axis, "activation_norm_length", None))
+    out, routing = dispatch.ep_routed_sharded(
+        params,
+        x,
+        cfg,
+        routed.mesh,
+        token_spec=spec,
+        axis_name=dispatch.EP_AXIS,
+        backend=backend,
+        impl=exchange_impl(routed.mesh, exchange),
+        buffer_factor=routed.get_ragged_buffer_factor(),
+        check_vma=bool(routed.config.check_vma),
+    )
+    return out.reshape(-1, cfg.emb_dim), routing
+
+
+def _load_balance_loss(
+    routed: mt_moe.RoutedMoE, params: Params, tokens: jax.Array, shape: tuple[int, ...], routing: Routing
+) -> jax.Array | None:
+    """MaxText's load-balance loss (its own methods, chosen as `RoutedMoE` chooses) on our routing; None
+    when `load_balance_loss_weight` is 0, as MaxText returns."""
+    config = routed.config
+    if config.load_balance_loss_weight <= 0.0:
+        return None
+    batch, seq = shape[0], shape[1]
+    scores = jax.nn.sigmoid(gate_logits(tokens, params["gate"]["kernel"])).reshape(batch, seq, -1)
+    if mt_moe.uses_megatron_seq_aux_loss(config):
+        return routed.megatron_seq_aux_loss(scores)
+    probs = jax.nn.softmax(scores, axis=-1).astype(routed.dtype)
+    return routed.load_balance_loss(routing.indices.reshape(batch, seq, -1), probs)
+
+
+def _bias_update(config: Any, routing: Routing) -> jax.Array | None:
+    """What MaxText's loop adds to the gate bias after the step: rate * sign(mean load - load) per expert, or,
+    under gradient accumulation, the raw counts (the loop sums them over micro-batches, then takes the sign)."""
+    if not (config.routed_bias and config.routed_bias_update_rate > 0.0):
+        return None
+    if config.gradient_accumulation_steps > 1:
+        return routing.counts
+    return mt_moe.load_balance_updates_from_counts(routing.counts, config.num_experts, config.routed_bias_update_rate)
+
+
+def install(moe: dict[str, Any]) -> None:
+    """Make every DeepSeek decoder MaxText builds from now on in this process run our routed experts.
+
+    `moe` is `ResolvedRecipe.moe` with impl "ours". With gemm "te" the TE grouped-GEMM path is chosen
+    here, once (it needs the devices up: call this after `jax.distributed` is initialised). `fp8` (validated
+    with the recipe; absent means "none") goes into every layer's `MoEConfig`.
+    """
+    if moe.get("impl") != "ours":
+        raise UserError(f"integration.install is for moe.impl: ours, got {moe.get('impl')!r}.")
+    backend = moe["gemm"]
+    if backend not in gemm.BACKENDS:
+        raise UserError(
+            f"unknown grouped-GEMM backend {backend!r}.",
+            key="moe.gemm",
+            fix=f"choose one of {', '.join(gemm.BACKENDS)}.",
+        )
+    if backend == "te":
+        gemm.select_te_grouped_gemm_path(moe["te_gemm_path"])
+    OurDeepSeekMoELayer.backend = backend
+    OurDeepSeekMoELayer.fp8 = moe.get("fp8", "none")
+    OurDeepSeekMoELayer.exchange = moe.get("exchange", "auto")
+    deepseek.DeepSeekMoELayer = OurDeepSeekMoELayer
+    fp8 = OurDeepSeekMoELayer.fp8
+    log.info(
+        "moe.impl=ours: maxtext.models.deepseek.DeepSeekMoELayer -> %s (grouped GEMM %s)",
+        OurDeepSeekMoELayer.__qualname__,
+        backend if fp8 == "none" else f"{backend}, FP8 {fp8}",
+    )

@@ -1,0 +1,80 @@
+"""`maxtext-moe bench` on the CPU: real steps, a summary consistent with MaxText's own per-step log, and
+(--profile) a trace of two warm-up steps summarised by kernel category, also by `python -m
+maxtext_moe.tools.profile` from the trace on disk."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+
+import pytest
+from conftest import FAST, read_metrics, run_cli
+
+pytestmark = pytest.mark.slow
+
+
+def test_bench_reports_the_timed_steps(tmp_path):
+    out = tmp_path / "bench.json"
+    r = run_cli(
+        "bench",
+        "deepseek3-tiny-cpu",
+        "--steps",
+        "4",
+        "--warmup",
+        "3",
+        "--out",
+        str(out),
+        f"base_output_directory={tmp_path}",
+        *FAST,
+        "corpus.max_mib=1",
+        "--profile",
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["warmup_steps"] == 3 and result["timed_steps"] == 4 and result["moe"] == {"impl": "maxtext"}
+    run = tmp_path / "deepseek3-tiny-cpu-bench"
+    metrics = read_metrics(run)
+    assert sorted(metrics) == list(range(7))
+    times = [metrics[s]["perf/step_time_seconds"] for s in range(3, 7)]
+    assert result["step_s_median"] == pytest.approx(statistics.median(times))
+    assert result["tokens_per_step"] == 2 * 128
+    assert result["tokens_per_s_per_gpu"] == pytest.approx(256 / result["step_s_median"])
+    assert result["loss_finite_and_falling"] and result["loss_last"] < result["loss_first"]
+    assert result["predicted_step_s"] is None and result["mfu_bf16"] is None  # the CPU has no peak to compare
+    assert not (run / "checkpoints").exists()
+    assert "step time" in r.stdout and "model TFLOPS/GPU" in r.stdout
+
+    prof = result["profile"]
+    assert prof["source"].startswith("host XLA ops") and len(prof["kernels"]) == 25
+    categories = dict(prof["categories"])
+    assert categories["GEMM (cuBLAS/XLA dot)"] > 0 and sum(categories.values()) == pytest.approx(prof["total_ms"])
+    assert "profile (warm-up)" in r.stdout and "ms/step" in r.stdout
+    assert "  busy /host:CPU" in r.stdout
+    for plane in prof["per_plane"]:
+        assert 0 < plane["busy_ms"] <= min(plane["kernel_ms"], plane["span_ms"]) + 1e-6
+
+    summary = tmp_path / "profile.json"
+    p = subprocess.run(
+        [sys.executable, "-m", "maxtext_moe.tools.profile", str(run), "--top", "5", "--out", str(summary)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads(summary.read_text())["categories"] == prof["categories"]
+    assert "category" in p.stdout and "HLO op" in p.stdout and "busy" in p.stdout
+
+
+def test_profile_needs_the_warm_up_steps_it_traces(tmp_path):
+    r = run_cli("bench", "deepseek3-tiny-cpu", "--warmup", "2", "--profile", f"base_output_directory={tmp_path}")
+    assert r.returncode != 0
+    assert "--profile traces warm-up steps 1-2, so it needs 3 or more warm-up steps, got 2" in r.stderr
+
+
+def test_busy_time_counts_overlapping_kernels_once():
+    from maxtext_moe.tools.profile import busy_ns
+
+    assert busy_ns([(0, 10), (5, 15), (20, 30), (21, 22)]) == 25
+    assert busy_ns([(20, 30), (0, 10)]) == 20 and busy_ns([]) == 0

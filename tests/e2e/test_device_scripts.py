@@ -1,0 +1,93 @@
+"""The one-call device scripts' own logic, run by bash here with stand-ins for nvidia-smi and python3:
+one-GPU rungs go side by side, one per GPU; two-GPU runs start one process per GPU (or one for both);
+everything lands in one archive under $OUT. A shell mistake there would cost lent device time."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tarfile
+from pathlib import Path
+
+from conftest import REPO
+
+FAKE_SMI = """#!/bin/bash
+if [ "$1" = -L ]; then echo "GPU 0: NVIDIA H200"; echo "GPU 1: NVIDIA H200"; else echo "index, name"; fi
+"""
+# Logs each call with the variables the scripts set; `bench` also logs when it starts and ends (1 s later).
+FAKE_PYTHON = """#!/bin/bash
+echo "CVD=${CUDA_VISIBLE_DEVICES-unset} PID=${JAX_PROCESS_ID-unset} N=${JAX_NUM_PROCESSES-unset} $*" >> "$CALLS"
+case "$*" in
+  *" bench "*) echo "start $(date +%s.%N) $*" >> "$CALLS.times"; sleep 1
+               echo "end $(date +%s.%N) $*" >> "$CALLS.times"
+               echo "step time            median 0.459 s (min 0.451, max 0.483)";;
+esac
+exit 0
+"""
+
+
+def run_script(tmp_path: Path, script: str, *args: str) -> tuple[subprocess.CompletedProcess, list[str], Path]:
+    bin_dir, out, te = tmp_path / "bin", tmp_path / "out", tmp_path / "te"
+    for d in (bin_dir, out, te):
+        d.mkdir()
+    (te / "activate.sh").write_text("")
+    for name, text in (("nvidia-smi", FAKE_SMI), ("python3", FAKE_PYTHON)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    calls = tmp_path / "calls.txt"
+    env = dict(
+        os.environ,
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        OUT=str(out),
+        TE_ROOT=str(te),
+        CALLS=str(calls),
+        DEVICE_RESULTS=str(tmp_path / "results"),
+    )
+    for name in ("CUDA_VISIBLE_DEVICES", "JAX_PROCESS_ID", "JAX_NUM_PROCESSES"):  # as the scripts would find them
+        env.pop(name, None)
+    proc = subprocess.run(
+        ["bash", f"scripts/device/{script}", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+    return proc, calls.read_text().splitlines(), out / "results.tgz"
+
+
+def rung_name(call: str) -> str:
+    return re.search(r"base_output_directory=/tmp/runs/(\w+)", call).group(1)
+
+
+def packed(archive: Path) -> set[str]:
+    with tarfile.open(archive) as t:
+        return {Path(n).name for n in t.getnames()}
+
+
+def test_ladder_runs_one_rung_per_gpu_side_by_side(tmp_path: Path) -> None:
+    proc, calls, archive = run_script(tmp_path, "proxy_ladder_h200.sh", "8", "a x=1", "b --profile y=2", "c z=3")
+    assert proc.returncode == 0, proc.stderr
+    bench = {rung_name(c): c for c in calls if " bench " in c}
+    assert sorted(bench) == ["a", "b", "c"]
+    assert bench["a"].startswith("CVD=0 ") and bench["b"].startswith("CVD=1 ") and bench["c"].startswith("CVD=0 ")
+    assert all("--steps 8 --warmup 3" in c for c in bench.values())
+    assert bench["a"].endswith("x=1") and bench["b"].endswith("--profile y=2")
+    assert proc.stdout.count("step time            median 0.459 s") == 3
+    assert {"a.summary", "b.summary", "c.summary", "a.log", "gpu.txt"} <= packed(archive)
+    times: dict[str, dict[str, float]] = {}
+    for line in (tmp_path / "calls.txt.times").read_text().splitlines():
+        what, t = line.split()[:2]
+        times.setdefault(rung_name(line), {})[what] = float(t)
+    assert times["b"]["start"] < times["a"]["end"] and times["a"]["start"] < times["b"]["end"]  # side by side
+    assert times["c"]["start"] >= max(times["a"]["end"], times["b"]["end"])  # the next round waits for both
+
+
+def test_two_gpu_runs_start_one_process_per_gpu_or_one_for_both(tmp_path: Path) -> None:
+    proc, calls, archive = run_script(tmp_path, "proxy_2gpu_h200x2.sh", "6", "two 2 rec k=1", "one 1 rec")
+    assert proc.returncode == 0, proc.stderr
+    bench = [c for c in calls if " bench " in c]
+    assert sorted(c.split(" -m")[0] for c in bench[:2]) == ["CVD=unset PID=0 N=2", "CVD=unset PID=1 N=2"]
+    assert bench[2].startswith("CVD=unset PID=unset N=unset") and " bench rec --steps 6 " in bench[2]
+    ep = [c for c in calls if "benchmarks/bench_ep_dispatch.py" in c]
+    assert sorted(c.split(" scripts/")[0] for c in ep) == ["CVD=unset PID=0 N=2", "CVD=unset PID=1 N=2"]
+    assert all("--backend te" in c for c in ep)
+    assert {"two.p0.log", "two.p1.log", "one.p0.log", "dispatch_gpu.log", "ep_dispatch_te_f-1.p0.log"} <= packed(
+        archive
+    )

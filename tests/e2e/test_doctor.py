@@ -1,0 +1,119 @@
+"""`maxtext-moe doctor`: real runs on this machine, and the comparison logic on described machines."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import run_cli
+
+from maxtext_moe.cli import resolve
+from maxtext_moe.tools import doctor
+
+H200_RECIPE = "deepseek3-671b-h200-128"
+
+
+def _h200(**changes) -> doctor.Machine:
+    """An H200 node as the lent machine is (shared/device/README.md), with TE loaded from the archive."""
+    base = dict(
+        jax_version="0.11.2",
+        backend="gpu",
+        device_kind="NVIDIA H200",
+        local_devices=8,
+        compute_capability=(9, 0),
+        te_version="2.20.2",
+        te_error=None,
+        te_compiled_v2=True,
+        cublaslt=130100,
+        nccl=(2, 28, 9),
+        host_mem_gib=2000.0,
+    )
+    return doctor.Machine(**(base | changes))
+
+
+def _gaps(lines: list[doctor.Line]) -> dict[str, str]:
+    return {x.item: x.fix for x in lines if x.status == "gap"}
+
+
+def test_default_cpu_recipe_can_run_here():
+    r = run_cli("doctor", timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[-1] == "deepseek3-tiny-cpu: can run here"
+    assert any(line.startswith("ok   jax") and "backend cpu" in line for line in lines)
+    assert any(line.startswith("info transformer-engine") for line in lines)
+    assert any(line.startswith("info host memory") and "GiB" in line for line in lines)
+
+
+def test_json_reports_devices_seen_with_the_recipes_environment():
+    # Two CPU devices per process only exist if doctor applies the recipe's env before jax starts.
+    r = run_cli("doctor", "topology.gpus_per_node=2", "ici_fsdp_parallelism=-1", "--json", timeout=120)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["can_run"] is True
+    assert report["machine"]["backend"] == "cpu" and report["machine"]["local_devices"] == 2
+    assert {c["item"] for c in report["checks"]} >= {
+        "jax",
+        "gpu",
+        "devices",
+        "transformer-engine",
+        "nccl",
+        "host memory",
+    }
+
+
+def test_gpu_recipe_on_this_cpu_machine_exits_nonzero_with_fixes():
+    r = run_cli("doctor", H200_RECIPE, timeout=120)
+    report = json.loads(run_cli("doctor", H200_RECIPE, "--json", timeout=120).stdout)
+    if report["machine"]["backend"] == "gpu":
+        pytest.skip("this machine has a GPU")
+    assert r.returncode == 1
+    gap_lines = [line for line in r.stdout.splitlines() if line.startswith("GAP")]
+    assert any("jax" in line and "Fix:" in line for line in gap_lines)
+    assert any(
+        "transformer-engine" in line and "te_moe_block=true" in line and "pip install '.[gpu]'" in line
+        for line in gap_lines
+    )
+    assert r.stdout.splitlines()[-1].startswith(f"{H200_RECIPE}: cannot run here")
+
+
+def test_h200_with_old_nccl_lacks_only_nccl_ep_and_takes_the_v1_grouped_gemm():
+    lines = doctor.compare(_h200(), resolve(H200_RECIPE, []))
+    assert set(_gaps(lines)) == {"nccl"}
+    assert "2.30.4" in _gaps(lines)["nccl"]
+    gemm = next(x for x in lines if x.item == "te grouped gemm")
+    assert gemm.have.startswith("V1 per-group") and "130100" in gemm.have
+
+
+def test_h200_with_new_nccl_and_cublas_has_no_gaps_and_v2():
+    lines = doctor.compare(_h200(nccl=(2, 30, 4), cublaslt=130400), resolve(H200_RECIPE, []))
+    assert _gaps(lines) == {}
+    assert next(x for x in lines if x.item == "te grouped gemm").have.startswith("V2 single-kernel")
+
+
+def test_te_that_fails_to_import_is_a_gap_with_its_error():
+    lines = doctor.compare(_h200(nccl=(2, 30, 4), te_error="ImportError: libcudnn.so.9"), resolve(H200_RECIPE, []))
+    assert set(_gaps(lines)) == {"transformer-engine"}
+    assert "libcudnn.so.9" in next(x for x in lines if x.item == "transformer-engine").have
+
+
+def test_older_gpu_and_fewer_devices_are_gaps():
+    lines = doctor.compare(
+        _h200(nccl=(2, 30, 4), compute_capability=(8, 0), device_kind="NVIDIA A100", local_devices=4),
+        resolve(H200_RECIPE, []),
+    )
+    gaps = _gaps(lines)
+    assert {"gpu", "devices"} <= set(gaps)
+    assert "SM90" in next(x for x in lines if x.item == "gpu").have
+    assert "gpus_per_node=4" in gaps["devices"]
+
+
+def test_blackwell_mxfp8_recipe_needs_sm100():
+    r = resolve("deepseek3-671b-gb200-128", [])
+    assert "gpu" in _gaps(doctor.compare(_h200(nccl=(2, 30, 4)), r))
+    assert "gpu" not in _gaps(doctor.compare(_h200(nccl=(2, 30, 4), compute_capability=(10, 0)), r))
+
+
+@pytest.mark.parametrize("code,version", [(22809, (2, 28, 9)), (23004, (2, 30, 4)), (2804, (2, 8, 4))])
+def test_nccl_version_codes(code, version):
+    assert doctor.nccl_version(code) == version

@@ -1,0 +1,202 @@
+"""Rendered SLURM / Kubernetes jobs: the committed ones are current, and they match what `distributed` reads."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+
+import pytest
+import yaml
+from conftest import REPO, run_cli
+
+from maxtext_moe.cli import resolve
+from maxtext_moe.errors import UserError
+from maxtext_moe.run import distributed
+from maxtext_moe.tools import launch
+
+RECIPE = "deepseek3-671b-h200-128"
+
+
+def _sbatch_directives(text: str) -> dict[str, str]:
+    return dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)$", text, flags=re.M))
+
+
+@pytest.mark.parametrize("committed", launch.COMMITTED, ids=lambda c: c.path)
+def test_committed_scripts_are_what_launch_prints(committed):
+    r = run_cli("launch", committed.recipe, f"--{committed.target}", "--nodes", str(committed.nodes), timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert (REPO / committed.path).read_text() == r.stdout, (
+        f"{committed.path} is stale: regenerate it with the command in its first lines"
+    )
+
+
+def test_slurm_job_one_task_per_gpu_matches_distributed_detection():
+    text = launch.render(resolve(RECIPE, ["topology.nodes=16"]), "slurm")
+    assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+    sb = _sbatch_directives(text)
+    assert (sb["nodes"], sb["ntasks-per-node"], sb["gpus-per-node"]) == ("16", "8", "8")
+    assert re.search(
+        rf"^\s*maxtext-moe train {RECIPE} topology\.nodes=16 base_output_directory=/runs \"\$@\"$", text, re.M
+    )
+    # What one of those 128 tasks sees under srun:
+    env = {
+        "SLURM_NTASKS": "128",
+        "SLURM_NNODES": "16",
+        "SLURM_PROCID": "9",
+        "SLURM_LOCALID": "1",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NODELIST": "gpu[003-018]",
+    }
+    spec = distributed.detect(env)
+    assert (spec.source, spec.num_processes, spec.process_id, spec.local_device_ids) == ("slurm", 128, 9, (1,))
+    assert spec.coordinator == f"gpu003:{4242 % 4096 + distributed.SLURM_PORT_BASE}"
+    distributed.check_layout(spec, resolve(RECIPE, ["topology.nodes=16"]).topology)
+
+
+def _k8s(recipe: str = RECIPE, *overrides: str) -> tuple[dict, dict]:
+    return tuple(
+        yaml.safe_load_all(launch.render(resolve(recipe, ["topology.nodes=16", *overrides]), "k8s", image="reg/mtm:1"))
+    )
+
+
+def test_k8s_indexed_job_and_headless_service_agree():
+    service, job = _k8s()
+    assert service["kind"] == "Service" and service["spec"]["clusterIP"] == "None"
+    spec = job["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == 16
+    pod = spec["template"]["spec"]
+    assert pod["subdomain"] == service["metadata"]["name"] == job["metadata"]["name"]
+    assert service["spec"]["selector"] == {"job-name": job["metadata"]["name"]}
+    container = pod["containers"][0]
+    assert container["image"] == "reg/mtm:1" and container["command"] == ["/bin/bash", "-c"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    env = {e["name"]: e["value"] for e in container["env"]}
+    name, port = job["metadata"]["name"], service["spec"]["ports"][0]["port"]
+    assert env["JAX_COORDINATOR_ADDRESS"] == f"{name}-0.{name}:{port}" and env["JAX_NUM_PROCESSES"] == "128"
+    # Process 1 of pod 3, as the pod script starts it: one process per GPU.
+    detected = distributed.detect(
+        env | {"JOB_COMPLETION_INDEX": "3", "JAX_PROCESS_ID": "25", "JAX_LOCAL_DEVICE_IDS": "1"}
+    )
+    assert (detected.num_processes, detected.process_id, detected.local_device_ids) == (128, 25, (1,))
+    distributed.check_layout(detected, resolve(RECIPE, ["topology.nodes=16"]).topology)
+
+
+STAND_IN = """#!/bin/bash
+[ -n "${TERM_TEST:-}" ] && trap 'echo term > "$OUT/term-$JAX_PROCESS_ID"; exit 0' TERM
+echo "$JAX_PROCESS_ID ${JAX_LOCAL_DEVICE_IDS-none} $*" > "$OUT/$JAX_PROCESS_ID"
+if [ -n "${TERM_TEST:-}" ]; then sleep 60 & wait; exit 1; fi
+[ "$JAX_PROCESS_ID" = "${FAIL_ID:-}" ] && exit 3
+[ -n "${FAIL_ID:-}" ] && exec sleep 60
+exit 0
+"""
+
+
+def _pod(tmp_path, job: dict, index: int, **env: str) -> subprocess.Popen:
+    """The pod's script under bash, `maxtext-moe` replaced by a stand-in that records what it was given."""
+    bin_dir, out = tmp_path / "bin", tmp_path / "out"
+    bin_dir.mkdir(exist_ok=True)
+    out.mkdir(exist_ok=True)
+    (bin_dir / "maxtext-moe").write_text(STAND_IN)
+    (bin_dir / "maxtext-moe").chmod(0o755)
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    return subprocess.Popen(
+        [*container["command"], container["args"][0]],
+        text=True,
+        env={"PATH": f"{bin_dir}:/usr/bin:/bin", "OUT": str(out), "JOB_COMPLETION_INDEX": str(index), **env},
+    )
+
+
+def _run_pod(tmp_path, job: dict, index: int, **env: str) -> subprocess.CompletedProcess:
+    proc = _pod(tmp_path, job, index, **env)
+    return subprocess.CompletedProcess(proc.args, proc.wait(timeout=30))
+
+
+def test_k8s_pod_starts_one_process_per_gpu(tmp_path):
+    r = _run_pod(tmp_path, _k8s()[1], 3)
+    assert r.returncode == 0, r.stderr
+    seen = sorted((tmp_path / "out" / str(i)).read_text().split(maxsplit=2) for i in range(24, 32))
+    assert [(p, d) for p, d, _ in seen] == [(str(24 + j), str(j)) for j in range(8)]
+    assert {a.strip() for _, _, a in seen} == {f"train {RECIPE} topology.nodes=16 base_output_directory=/runs"}
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [str(i) for i in range(24, 32)]
+
+
+def test_k8s_pod_stops_the_others_when_one_process_fails(tmp_path):
+    start = time.monotonic()
+    r = _run_pod(tmp_path, _k8s()[1], 0, FAIL_ID="5")
+    assert r.returncode == 3 and time.monotonic() - start < 20  # the others sleep 60 s unless killed
+
+
+def test_k8s_pod_passes_sigterm_to_every_process(tmp_path):
+    """Pod deletion or preemption: every process gets the SIGTERM (ours then checkpoint and stop)."""
+    proc = _pod(tmp_path, _k8s()[1], 1, TERM_TEST="1")
+    deadline = time.monotonic() + 20
+    while len(list((tmp_path / "out").glob("[0-9]*"))) < 8 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.terminate()
+    assert proc.wait(timeout=20) == 0
+    assert sorted(p.name for p in (tmp_path / "out").glob("term-*")) == sorted(f"term-{i}" for i in range(8, 16))
+
+
+def test_k8s_cpu_recipe_runs_one_process_per_pod(tmp_path):
+    _, job = _k8s("deepseek3-tiny-cpu", "ici_fsdp_parallelism=-1")
+    env = {e["name"]: e["value"] for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["JAX_NUM_PROCESSES"] == "16"
+    assert _run_pod(tmp_path, job, 2).returncode == 0
+    assert (tmp_path / "out" / "2").read_text().split()[:2] == ["2", "none"]  # every CPU device: no device ids
+
+
+def test_cpu_recipe_renders_one_process_per_node_without_gpus():
+    text = launch.render(resolve("deepseek3-tiny-cpu", ["topology.nodes=2", "ici_fsdp_parallelism=-1"]), "slurm")
+    sb = _sbatch_directives(text)
+    assert sb["ntasks-per-node"] == "1" and "gpus-per-node" not in sb
+
+
+def test_launch_refuses_a_layout_the_planner_says_does_not_fit():
+    r = run_cli("launch", RECIPE, "--slurm", "--nodes", "4", timeout=120)
+    assert r.returncode == 2
+    assert "does not fit" in r.stderr and "topology.nodes" in r.stderr and "--search" in r.stderr
+    assert r.stdout == ""
+
+
+def test_launch_prints_a_measured_layout_the_planner_rejects_when_asked():
+    """The one-GPU proxy ran at 110.9 GiB on an H200 (docs/PERFORMANCE.md) where the planner puts it above the
+    usable memory: refused by default, with the way out named; printed with --skip-fit-check."""
+    refused = run_cli("launch", "deepseek3-proxy-h200-1gpu", "--slurm", "--nodes", "1", timeout=120)
+    assert refused.returncode == 2 and "--skip-fit-check" in refused.stderr
+    r = run_cli("launch", "deepseek3-proxy-h200-1gpu", "--slurm", "--nodes", "1", "--skip-fit-check", timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert _sbatch_directives(r.stdout)["gpus-per-node"] == "1"
+
+
+def test_layout_mismatch_and_incomplete_env_are_user_errors():
+    topo = resolve(RECIPE, ["topology.nodes=16"]).topology
+    with pytest.raises(UserError, match="topology.nodes"):
+        distributed.check_layout(distributed.ProcessSpec("env", 3, 0, "h:1", None), topo)
+    with pytest.raises(UserError, match="JAX_COORDINATOR_ADDRESS"):
+        distributed.detect({"JAX_PROCESS_ID": "1", "JAX_NUM_PROCESSES": "2"})
+    assert distributed.detect({"SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) == distributed.SINGLE
+
+
+@pytest.mark.parametrize(
+    "nodelist,host",
+    [("gpu[007-009,012],cpu1", "gpu007"), ("node17", "node17"), ("a-b[01-02]", "a-b01"), ("n1,n2", "n1")],
+)
+def test_first_slurm_host(nodelist, host):
+    assert distributed.first_slurm_host(nodelist) == host
+
+
+def test_one_process_for_several_gpus_with_expert_parallelism_is_warned_about():
+    """Accepted (it may work elsewhere) but said up front: on two H200s that layout hung."""
+    two = resolve("deepseek3-proxy-h200-2gpu", []).topology
+    env = {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "1", "JAX_PROCESS_ID": "0"}
+    one_for_both = distributed.detect(env)
+    per_gpu = distributed.detect(env | {"JAX_NUM_PROCESSES": "2", "JAX_LOCAL_DEVICE_IDS": "1"})
+    assert "hung in its first all-gather" in distributed.layout_warning(one_for_both, two, expert_parallel=True)
+    assert distributed.layout_warning(per_gpu, two, expert_parallel=True) is None
+    assert distributed.layout_warning(one_for_both, two, expert_parallel=False) is None
+    assert (
+        distributed.layout_warning(distributed.SINGLE, resolve("deepseek3-proxy-h200-1gpu", []).topology, True) is None
+    )
+    cpu = resolve("deepseek3-tiny-cpu", ["topology.gpus_per_node=2", "ici_expert_parallelism=-1"]).topology
+    assert distributed.layout_warning(distributed.SINGLE, cpu, expert_parallel=True) is None

@@ -1,0 +1,169 @@
+"""`moe.impl: ours` inside MaxText's real DeepSeek decoder on the CPU: it trains, computes the same model as
+MaxText's block, reads and writes the same checkpoints, and keeps the aux-loss-free bias update.
+
+Three MaxText processes (about 20 s each here): a straight run with MaxText's block, the same run with
+ours, and ours resuming MaxText's checkpoint. All use the float32 tiny recipe with the same seed and
+the same Grain data, and `load_balance_loss_weight=0.01` so that the load-balance loss our layer feeds
+to MaxText is part of the compared loss.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import read_metrics, run_cli
+
+from maxtext_moe.cli import resolve
+from maxtext_moe.run import run_dir
+from maxtext_moe.tools import doctor
+
+pytestmark = pytest.mark.slow
+RUN = "deepseek3-tiny-cpu"
+STEPS = 6
+COMMON = [
+    "steps=6",
+    "per_device_batch_size=2",
+    "max_target_length=128",
+    "corpus.max_mib=1",
+    "checkpoint_period=3",
+    "load_balance_loss_weight=0.01",
+]
+RATE = 0.001  # routed_bias_update_rate of configs/model/deepseek3-tiny.yml
+# float32 on XLA:CPU: both blocks do the same arithmetic up to the order of a few sums (measured: step 0
+# bit-identical, later steps within 2e-7). A semantic slip (bias in the weights, a missed scaling factor,
+# one token routed differently) moves the loss by far more than 1e-5.
+RTOL = 1e-5
+
+
+def _train(out: Path, *overrides: str) -> None:
+    r = run_cli("train", RUN, *COMMON, f"base_output_directory={out}", *overrides, cwd=out.parent)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+def _losses(out: Path, key: str = "learning/loss") -> dict[int, float]:
+    return {step: m[key] for step, m in read_metrics(out / RUN).items()}
+
+
+def _gate_biases(step_dir: Path) -> dict[str, np.ndarray]:
+    """Every MoE gate bias (decoder stack and MTP layer) in an Orbax checkpoint of the run."""
+    import orbax.checkpoint as ocp
+
+    with ocp.PyTreeCheckpointer() as c:
+        tree = c.restore(str(step_dir / "items"))
+    found: dict[str, np.ndarray] = {}
+
+    def walk(node, path: tuple[str, ...]) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, (*path, k))
+        elif path[-2:] == ("gate", "bias"):
+            found["/".join(path)] = np.asarray(node)
+
+    walk(tree, ())
+    assert len(found) == 2, found.keys()
+    return found
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("moe-integration")
+    outs = {name: base / name for name in ("maxtext", "ours", "resumed")}
+    _train(outs["maxtext"])
+    _train(outs["ours"], "moe.impl=ours")
+    # Resume MaxText's run at its step-3 checkpoint with our block (the run-folder identity is the model
+    # shape only); steps 4 and 5 then repeat the straight run's data.
+    shutil.copytree(outs["maxtext"], outs["resumed"])
+    shutil.rmtree(outs["resumed"] / RUN / "checkpoints" / str(STEPS - 1))
+    (outs["resumed"] / RUN / "metrics.jsonl").unlink()
+    _train(outs["resumed"], "moe.impl=ours")
+    return outs
+
+
+def test_ours_trains_and_writes_checkpoints(runs):
+    run = runs["ours"] / RUN
+    loss = _losses(runs["ours"])
+    assert sorted(loss) == list(range(STEPS)) and all(np.isfinite(v) for v in loss.values())
+    assert np.mean([loss[4], loss[5]]) < np.mean([loss[0], loss[1]]) - 0.2, loss
+    assert run_dir.scan(run / "checkpoints").complete == [0, 3, STEPS - 1]
+    assert (
+        "moe.impl=ours: maxtext.models.deepseek.DeepSeekMoELayer -> OurDeepSeekMoELayer (grouped GEMM ragged_dot)"
+        in (run / "maxtext.log").read_text()
+    )
+
+
+def test_same_model_as_maxtext_block(runs):
+    """Same seed, same data: ours gives MaxText's loss and load-balance loss at step 0 and stays with it."""
+    mt, ours = _losses(runs["maxtext"]), _losses(runs["ours"])
+    mt_lb, ours_lb = _losses(runs["maxtext"], "learning/moe_lb_loss"), _losses(runs["ours"], "learning/moe_lb_loss")
+    assert abs(ours[0] - mt[0]) <= 1e-6 * mt[0], (ours[0], mt[0])
+    assert mt_lb[0] > 0 and abs(ours_lb[0] - mt_lb[0]) <= 1e-6 * mt_lb[0], (ours_lb[0], mt_lb[0])
+    for step in range(1, STEPS):
+        assert abs(ours[step] - mt[step]) <= RTOL * mt[step], (step, ours[step], mt[step])
+    assert abs(mt[0] - mt[STEPS - 1]) > 0.1  # the loss did move, so "close" compares trained models
+
+
+def test_ours_resumes_maxtext_checkpoint(runs):
+    """MaxText's checkpoint restored into our block continues exactly where MaxText's block goes."""
+    resumed, straight = _losses(runs["resumed"]), _losses(runs["maxtext"])
+    assert sorted(resumed) == [4, 5]
+    for step in (4, 5):
+        assert abs(resumed[step] - straight[step]) <= RTOL * straight[step], (step, resumed[step], straight[step])
+
+
+def test_gate_bias_moves_as_with_maxtext(runs):
+    """routed_bias_update_rate > 0: each step adds rate * sign(mean load - load) to every gate bias (the
+    bias starts at 0); with ours the biases after 6 steps equal MaxText's, entry for entry."""
+    last = STEPS - 1
+    ours = _gate_biases(runs["ours"] / RUN / "checkpoints" / str(last))
+    mt = _gate_biases(runs["maxtext"] / RUN / "checkpoints" / str(last))
+    first = _gate_biases(runs["ours"] / RUN / "checkpoints" / "0")
+    for name, bias in ours.items():
+        np.testing.assert_array_equal(bias, mt[name], err_msg=name)
+        steps_taken = np.round(bias / RATE)
+        np.testing.assert_allclose(bias, steps_taken * RATE, atol=1e-7, err_msg=name)  # whole steps of size rate
+        assert np.all(np.abs(steps_taken) <= STEPS) and np.any(steps_taken), name
+        assert not np.array_equal(bias, first[name]), name  # it kept moving after the first step
+
+
+def test_install_rebinds_the_deepseek_layer_the_decoder_builds(monkeypatch):
+    from types import SimpleNamespace
+
+    from maxtext.layers.nnx_decoders import NNXDecoder
+    from maxtext.models import deepseek
+
+    from maxtext_moe.upstream import deepseek_layer
+
+    monkeypatch.setattr(deepseek, "DeepSeekMoELayer", deepseek.DeepSeekMoELayer)  # restored after the test
+    monkeypatch.setattr(deepseek_layer.OurDeepSeekMoELayer, "backend", "ragged_dot")
+    deepseek_layer.install({"impl": "ours", "gemm": "tokamax", "te_gemm_path": "auto"})
+    config = SimpleNamespace(decoder_block=deepseek.DecoderBlockType.DEEPSEEK, scan_layers=True)
+    layers = NNXDecoder.get_decoder_layers(SimpleNamespace(config=config))
+    assert layers == [deepseek.DeepSeekDenseLayer, deepseek_layer.OurDeepSeekMoELayer]
+    assert deepseek_layer.OurDeepSeekMoELayer.backend == "tokamax"
+
+
+def test_doctor_requires_te_for_our_te_gemm():
+    machine = doctor.Machine(
+        jax_version="0.11.2",
+        backend="gpu",
+        device_kind="NVIDIA H200",
+        local_devices=1,
+        compute_capability=(9, 0),
+        te_version=None,
+        te_error=None,
+        te_compiled_v2=None,
+        cublaslt=130100,
+        nccl=(2, 28, 9),
+        host_mem_gib=2000.0,
+    )
+    recipe = resolve("deepseek3-proxy-h200-1gpu", ["moe.impl=ours"])
+    assert recipe.moe["gemm"] == "te"
+    te = next(x for x in doctor.compare(machine, recipe) if x.item == "transformer-engine")
+    assert te.status == "gap" and "moe.gemm=te" in te.have
+    with_te = doctor.Machine(**{**machine.__dict__, "te_version": "2.20.2", "te_compiled_v2": True})
+    v2 = resolve("deepseek3-proxy-h200-1gpu", ["moe.impl=ours", "moe.te_gemm_path=v2"])
+    line = next(x for x in doctor.compare(with_te, v2) if x.item == "te grouped gemm")
+    assert line.status == "gap" and "moe.te_gemm_path=v2 cannot run here" in line.have

@@ -1,0 +1,184 @@
+"""Real MaxText training on the CPU: loss, checkpoints, TensorBoard, resume, and run-folder guards.
+
+Every test runs `python -m maxtext_moe train` in a subprocess, as a user would, on the embedded
+default recipe shrunk by overrides (shorter sequences, a 1 MiB corpus) so the suite stays fast.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+
+import pytest
+from conftest import FAST, read_metrics, run_cli, tensorboard_tags
+
+from maxtext_moe.run import run_dir
+
+pytestmark = pytest.mark.slow
+SMALL = [*FAST, "corpus.max_mib=1"]
+RUN = "deepseek3-tiny-cpu"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One 30-step run of the default recipe (checkpoints at 0, 10, 20 and the last step)."""
+    out = tmp_path_factory.mktemp("trained")
+    r = run_cli("train", "steps=30", "checkpoint_period=10", f"base_output_directory={out}", *SMALL, cwd=out)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return out, r
+
+
+def test_default_recipe_trains_on_real_text(trained):
+    out, r = trained
+    metrics = read_metrics(out / RUN)
+    assert sorted(metrics) == list(range(30))
+    first = statistics.mean(metrics[s]["learning/loss"] for s in range(5))
+    last = statistics.mean(metrics[s]["learning/loss"] for s in range(25, 30))
+    assert last < first - 2.0, (first, last)  # from ~ln(32000)+MTP to well below: it learns the text
+    assert "corpus: " in r.stdout and "documents" in r.stdout
+    assert any(line.startswith("step    30/30 | loss ") for line in r.stdout.splitlines())
+
+
+def test_checkpoints_and_tensorboard_are_on_disk(trained):
+    out, _ = trained
+    found = run_dir.scan(out / RUN / "checkpoints")
+    assert found.complete == [0, 10, 20, 29] and not found.partial and not found.damaged
+    events = list((out / RUN / "tensorboard").rglob("events.out.tfevents.*"))
+    assert events and "learning/loss" in set().union(*(tensorboard_tags(e) for e in events))
+    assert (out / RUN / "maxtext.log").stat().st_size > 0
+
+
+def test_checkpoints_command_lists_the_run(trained):
+    out, _ = trained
+    r = run_cli("checkpoints", f"base_output_directory={out}")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    states = [line.split()[1] for line in lines if line.strip().startswith("step ") and line.endswith("complete")]
+    assert states == ["0", "10", "20", "29"]
+    assert "written by recipe 'deepseek3-tiny-cpu'" in r.stdout
+
+
+def test_rerun_of_a_finished_run_does_nothing(trained):
+    out, _ = trained
+    r = run_cli("train", "steps=30", "checkpoint_period=10", f"base_output_directory={out}", *SMALL, cwd=out)
+    assert r.returncode == 0 and "already trained 30 of 30 steps; nothing to do" in r.stdout
+
+
+def test_resume_reaches_the_same_loss_as_a_straight_run(tmp_path):
+    """N steps + resume + N steps == 2N straight steps.
+
+    The resumed run restores parameters, optimizer state and the Grain iterator position from the
+    Orbax checkpoint and compiles the same XLA:CPU program, so it repeats the straight run's
+    arithmetic; the tolerance (1e-5 relative) only allows for reduction-order noise, far below the
+    ~0.1 that one step of training moves the loss by.
+    """
+    common = [*SMALL, "learning_rate_schedule_steps=8", "checkpoint_period=4"]
+    a, b = tmp_path / "straight", tmp_path / "resumed"
+    r = run_cli("train", "steps=8", f"base_output_directory={a}", *common)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_cli("train", "steps=4", f"base_output_directory={b}", *common)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_cli("train", "steps=8", f"base_output_directory={b}", *common)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming from step 4" in r.stdout
+    straight, resumed = read_metrics(a / RUN), read_metrics(b / RUN)
+    assert sorted(resumed) == list(range(8))
+    for step in range(4, 8):
+        x, y = straight[step]["learning/loss"], resumed[step]["learning/loss"]
+        assert abs(x - y) <= 1e-5 * abs(x), (step, x, y)
+    assert abs(straight[3]["learning/loss"] - straight[7]["learning/loss"]) > 1e-3  # the loss did move
+
+
+def _copy(trained, tmp_path):
+    out, _ = trained
+    dst = tmp_path / "copy"
+    shutil.copytree(out, dst)
+    return dst
+
+
+def test_interrupted_save_is_reported_and_left_alone(trained, tmp_path):
+    out = _copy(trained, tmp_path)
+    partial = out / RUN / "checkpoints" / "30.orbax-checkpoint-tmp-1234"
+    partial.mkdir()
+    r = run_cli("train", "steps=30", f"base_output_directory={out}", *SMALL)
+    assert r.returncode == 0
+    assert f"ignoring interrupted save {partial}" in r.stdout and partial.is_dir()
+
+
+def test_damaged_latest_checkpoint_is_refused_without_deleting(trained, tmp_path):
+    out = _copy(trained, tmp_path)
+    latest = out / RUN / "checkpoints" / "29"
+    (latest / "_CHECKPOINT_METADATA").unlink()
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    r = run_cli("train", "steps=40", f"base_output_directory={out}", *SMALL)
+    assert r.returncode == 2
+    assert f"the latest checkpoint {latest} is unusable: it has no _CHECKPOINT_METADATA" in r.stderr
+    assert "move that folder out of" in r.stderr and "to resume from step 20" in r.stderr
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+    listing = run_cli("checkpoints", f"base_output_directory={out}").stdout
+    assert "DAMAGED: it has no _CHECKPOINT_METADATA" in listing
+    assert (
+        "a re-run stops: the newest checkpoint (step 29) is damaged; move it aside to resume after step 20" in listing
+    )
+
+
+def test_corrupt_checkpoint_data_gives_a_clear_resume_error(trained, tmp_path):
+    out = _copy(trained, tmp_path)
+    for f in (out / RUN / "checkpoints" / "29" / "items").rglob("d/*"):
+        if f.is_file():
+            f.write_bytes(b"garbage")
+    r = run_cli("train", "steps=32", f"base_output_directory={out}", *SMALL)
+    assert r.returncode == 2
+    assert "MaxText failed before its first step while resuming from the checkpoint at step 29" in r.stderr
+    assert "Nothing was deleted." in r.stderr and (out / RUN / "checkpoints" / "29").is_dir()
+
+
+def test_another_recipe_never_overwrites_without_force(trained, tmp_path):
+    out = _copy(trained, tmp_path)
+    other = [f"base_output_directory={out}", *SMALL, "base_emb_dim=32"]
+    r = run_cli("train", "steps=2", *other)
+    assert r.returncode == 2
+    assert (
+        "holds checkpoints of recipe 'deepseek3-tiny-cpu' with another model shape (base_emb_dim: 64 -> 32)" in r.stderr
+    )
+    assert run_dir.scan(out / RUN / "checkpoints").complete == [0, 10, 20, 29]
+    r = run_cli("train", "steps=2", "--force", *other)
+    assert r.returncode == 0, r.stderr[-3000:]
+    aside = list((out / RUN).glob("checkpoints.set-aside-*"))
+    assert len(aside) == 1 and run_dir.scan(aside[0]).complete == [0, 10, 20, 29]
+    assert "starting from scratch" in r.stdout
+
+
+def test_sigterm_checkpoints_the_current_step_and_a_rerun_resumes(tmp_path):
+    """A scheduler's SIGTERM mid-run: a checkpoint at the step reached, exit 143, and the same command resumes."""
+    args = [
+        sys.executable,
+        "-m",
+        "maxtext_moe",
+        "train",
+        "steps=400",
+        "checkpoint_period=1000",
+        f"base_output_directory={tmp_path}",
+        *SMALL,
+    ]
+    proc = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1")
+    )
+    seen = []
+    for line in proc.stdout:  # wait until training is under way, then stop it as SLURM would
+        seen.append(line)
+        if line.startswith("step     6/400"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 143, "".join(seen) + out + err[-3000:]
+    assert "on a termination signal; its checkpoint is saved" in err
+    saved = run_dir.scan(tmp_path / RUN / "checkpoints").complete
+    assert saved[0] == 0 and len(saved) == 2 and saved[1] >= 6, saved  # step 0 and the step SIGTERM reached
+    r = run_cli("train", "steps=" + str(saved[1] + 3), f"base_output_directory={tmp_path}", *SMALL)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resuming from step {saved[1] + 1}" in r.stdout

@@ -1,0 +1,114 @@
+"""Each GPU grouped-GEMM backend inside the layer against the float32 dense reference (needs a GPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxtext_moe.moe.layer import MoEConfig, init_params, moe_forward
+from maxtext_moe.moe.reference import moe_reference
+from maxtext_moe.moe.routing import RoutingConfig
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs an NVIDIA GPU"),
+]
+
+CFG = MoEConfig(
+    emb_dim=512,
+    moe_mlp_dim=256,
+    shared_mlp_dim=256,
+    routing=RoutingConfig(num_experts=32, top_k=8, n_groups=8, topk_groups=4),
+)
+BF16_TOL = (2e-2, 2e-2)  # (forward, dL/dx), relative L2 error
+# FP8 current scaling on the routed experts only (E4M3 operands forward: 3 mantissa bits; E5M2 gradients: 2);
+# the shared expert and the router stay BF16/float32. A CPU emulation of per-tensor current scaling on this
+# exact layer and input (quantize-dequantize around jax.lax.ragged_dot) gave 4.3e-2 forward and 6.2e-2 for
+# dL/dx: the E5M2 gradient costs the most. Bounds with headroom over that, far below what a wrong scale or
+# wrong padding gives (order 1).
+FP8_TOL = (6e-2, 1e-1)
+
+
+def rel(a: jax.Array, b: jax.Array) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def check_against_reference(cfg: MoEConfig, backend: str, tol: tuple[float, float]) -> np.ndarray:
+    """Forward and dL/dx of the BF16 layer within `tol` (relative L2) of the float32 reference, all finite;
+    returns the expert group sizes the layer ran with."""
+    params = init_params(jax.random.key(0), cfg, jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(1), (1024, cfg.emb_dim), jnp.bfloat16)
+    cot = jax.random.normal(jax.random.key(2), x.shape, jnp.float32)
+    loss = lambda x: jnp.sum(moe_forward(params, x, cfg, backend)[0].astype(jnp.float32) * cot)  # noqa: E731
+    loss_ref = lambda x: jnp.sum(moe_reference(params, x, cfg) * cot)  # noqa: E731
+    y, routing = jax.jit(moe_forward, static_argnums=(2, 3))(params, x, cfg, backend)
+    dx, dx_ref = jax.jit(jax.grad(loss))(x), jax.jit(jax.grad(loss_ref))(x.astype(jnp.float32))
+    assert np.isfinite(np.asarray(y, np.float32)).all() and np.isfinite(np.asarray(dx, np.float32)).all()
+    assert rel(y, moe_reference(params, x, cfg)) < tol[0]
+    assert rel(dx, dx_ref) < tol[1]
+    return np.asarray(routing.counts)
+
+
+@pytest.mark.parametrize("backend", ["ragged_dot", "tokamax", "te"])
+def test_backend_forward_and_grad_close_to_reference(backend: str) -> None:
+    check_against_reference(CFG, backend, BF16_TOL)
+
+
+def test_te_fp8_current_scaling_close_to_reference() -> None:
+    """TE's FP8 grouped GEMM with current scaling on unaligned expert groups (random routing: about 256 rows
+    per expert, not multiples of 16), padded to 16 rows per group by `align.py`."""
+    sizes = check_against_reference(dataclasses.replace(CFG, fp8="current_scaling"), "te", FP8_TOL)
+    assert np.any(sizes % 16), "the groups happened to be aligned: the padding went untested"
+
+
+@pytest.mark.parametrize("backend", ["tokamax", "te"])
+def test_partial_groups_match_ragged_dot(backend: str) -> None:
+    """Rows past the groups (the expert-parallel receive buffer's empty slots): the real kernels, guarded,
+    give jax.lax.ragged_dot's zeros, and gradients close to float32 ones; unguarded tokamax left those rows
+    unwritten on the H200. tokamax 0.0.17's weight gradient is itself far from float32: 0.3-9.3% per group
+    for its kernel alone, against 0.2% for BF16 ragged_dot (H200, 2026-11-30; printed each run), so its dW
+    bound is looser; dx, and TE's dW, meet the BF16 bound."""
+    from maxtext_moe.moe.gemm import grouped_matmul
+
+    x = jax.random.normal(jax.random.key(0), (4096, 512), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(1), (8, 512, 256), jnp.bfloat16) / 16
+    sizes = jnp.array([300, 0, 700, 128, 129, 500, 1, 242], jnp.int32)  # 2000 of 4096 rows
+
+    def loss(x, w, b, partial):
+        return jnp.sum(jnp.sin(grouped_matmul(x, w, sizes, b, partial=partial).astype(jnp.float32)))
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=(2, 3))
+    want = grad(x.astype(jnp.float32), w.astype(jnp.float32), "ragged_dot", False)
+    if backend == "tokamax":
+        import tokamax
+
+        def raw(x, w):
+            y = tokamax.ragged_dot(
+                x,
+                w,
+                group_sizes=tokamax.RaggedDotGroupSizes(sizes, x.shape[0]),
+                preferred_element_type=x.dtype,
+                implementation="mosaic",
+            )
+            return jnp.sum(jnp.where(jnp.arange(4096)[:, None] < 2000, jnp.sin(y.astype(jnp.float32)), 0))
+
+        dw_raw, dw_bf16 = jax.jit(jax.grad(raw, argnums=1))(x, w), grad(x, w, "ragged_dot", False)[1]
+        print(
+            "per-group dW rel. error against float32, sizes",
+            np.asarray(sizes).tolist(),
+            "\n  tokamax unguarded:",
+            [round(rel(dw_raw[g], want[1][g]), 4) for g in (0, 2, 3, 4, 5, 6, 7)],
+            "\n  ragged_dot BF16:  ",
+            [round(rel(dw_bf16[g], want[1][g]), 4) for g in (0, 2, 3, 4, 5, 6, 7)],
+        )
+    out = jax.jit(grouped_matmul, static_argnames=("backend", "partial"))(x, w, sizes, backend=backend, partial=True)
+    assert not np.asarray(out[2000:], np.float32).any()
+    assert rel(out[:2000], jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)[:2000]) < 1e-2
+    bounds = {"dx": 2e-2, "dw": 1.5e-1 if backend == "tokamax" else 2e-2}
+    for (name, bound), got, ref in zip(bounds.items(), grad(x, w, backend, True), want, strict=True):
+        assert np.isfinite(np.asarray(got, np.float32)).all() and rel(got, ref) < bound, (name, rel(got, ref))

@@ -1,0 +1,181 @@
+"""The planner against MaxText's own numbers: FLOPs by MaxText's formula, state memory by XLA."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+from math import comb
+
+import pytest
+
+from maxtext_moe import cli
+from maxtext_moe.errors import UserError
+from maxtext_moe.plan import Model, estimate, flops, layout, memory
+from maxtext_moe.upstream import maxtext_config
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize(
+    "ref,overrides",
+    [
+        ("deepseek3-tiny-cpu", []),
+        ("deepseek3-671b-gb200-128", []),
+        ("deepseek3-671b-full-gb200-128", []),  # group routing + MTP
+        ("deepseek3-671b-h200-128", ["max_target_length=8192", "per_device_batch_size=1"]),
+    ],
+)
+def test_flops_match_maxtext(ref: str, overrides: list[str]) -> None:
+    """Our per-token count x tokens/device equals MaxText's calculate_tflops_training_per_device."""
+    from maxtext.utils.maxtext_utils import calculate_tflops_training_per_device
+
+    r = cli.resolve(ref, overrides)
+    config = maxtext_config.check(r.maxtext, r.sources)
+    theirs, _, _ = calculate_tflops_training_per_device(config, log=False)
+    f = flops.per_token(Model.from_recipe(r), config.max_target_length)
+    ours = f.maxtext * config.per_device_batch_size * config.max_target_length / 1e12
+    assert ours == pytest.approx(theirs, rel=1e-9)
+
+
+def test_deepseek_v3_published_flops_per_token() -> None:
+    """~250 GFLOP/token without MTP and ~260 with one MTP layer at 4K (DESIGN.md), within 2%."""
+    no_mtp = estimate(cli.resolve("deepseek3-671b-gb200-128", []))
+    mtp = estimate(cli.resolve("deepseek3-671b-full-gb200-128", []))
+    assert no_mtp.flops.total / 1e9 == pytest.approx(250, rel=0.02)
+    assert mtp.flops.total / 1e9 == pytest.approx(260, rel=0.02)
+    assert mtp.flops.maxtext < mtp.flops.total  # MaxText leaves out MTP's projection and head pass
+    assert Model.from_recipe(cli.resolve("deepseek3-671b-gb200-128", [])).main_params / 1e9 == pytest.approx(
+        671, rel=0.005
+    )
+
+
+def test_published_gb200_recipe_fits_and_reports_consumers() -> None:
+    p = estimate(cli.resolve("deepseek3-671b-gb200-128", []))
+    assert p.fits
+    assert p.layout.fsdp == 16 and p.layout.ep == 8
+    text = p.render()
+    assert "-> fits" in text and "largest:" in text
+    j = p.to_json()
+    for key in ("fits", "memory_per_gpu_gib", "gflops_per_token", "predicted_tflops_per_gpu"):
+        assert key in j
+    # Offloading the MoE up-projection moves bytes from HBM to host: none are offloaded under full remat.
+    full = estimate(cli.resolve("deepseek3-671b-gb200-128", ["remat_policy=full"]))
+    assert full.memory.host_total == 0 and p.memory.host_total > 0
+
+
+def test_memory_falls_with_more_gpus_and_dedup_cuts_all_to_all() -> None:
+    r = cli.resolve("deepseek3-671b-h200-128", [])
+    small, big = estimate(r, gpus=64), estimate(r, gpus=256)
+    assert big.memory.device["parameters"] == pytest.approx(small.memory.device["parameters"] / 4)
+    assert not small.fits
+    assert 0 < big.a2a["per_rank_dedup"] < big.a2a["per_expert"]
+
+
+def test_unrolled_layers_count_gradients_only_beyond_the_activations() -> None:
+    """Scanned, the stacked gradients sit next to the saved activations; unrolled, the peak comes before any
+    gradient exists. Same model and batch: the unrolled plan is the scanned one less the gradients."""
+    one = "deepseek3-proxy-h200-1gpu"
+    unrolled, scanned = (estimate(cli.resolve(one, [f"scan_layers={s}"])).memory for s in ("false", "true"))
+    assert scanned.device["gradients"] > 0 and "gradients" not in unrolled.device
+    assert unrolled.device[memory.UNROLLED_GRADIENTS] == 0.0  # 7.6B parameters' gradients < the activations
+    assert unrolled.device_total == pytest.approx(scanned.device_total - scanned.device["gradients"])
+    # Where the gradients outgrow the activations (a short sequence, batch 1) they count beyond them.
+    tiny = estimate(cli.resolve(one, ["scan_layers=false", "per_device_batch_size=1", "max_target_length=64"])).memory
+    acts = sum(v for k, v in tiny.device.items() if k.startswith(("saved", "layer working", "logits")))
+    assert tiny.device[memory.UNROLLED_GRADIENTS] == pytest.approx(tiny.device["parameters"] - acts)
+
+
+def test_ep_time_counts_the_bytes_the_recipes_block_sends() -> None:
+    """Our block sends a token once per destination rank (in a block of T rows per peer over the default
+    exchange), MaxText's once per chosen expert: the step's EP collective carries the volume of the block
+    and exchange the recipe runs."""
+
+    def ep(recipe: str, overrides: list[str]):
+        p = estimate(cli.resolve(recipe, overrides))
+        return next(c for c in p.collectives if c.name.startswith("EP all-to-all")), p.a2a
+
+    two = "deepseek3-proxy-h200-2gpu"
+    ours, a2a = ep(two, [])
+    ragged, _ = ep(two, ["moe.exchange=ragged_all_to_all"])
+    upstream, _ = ep(two, ["moe.impl=maxtext"])
+    assert (ours.bytes, ragged.bytes, upstream.bytes) == (a2a["dense_blocks"], a2a["per_rank_dedup"], a2a["per_expert"])
+    assert "a block of T rows per peer" in ours.name and "once per rank" in ragged.name
+    # EP2: one row per token on the wire, about as many as the routing needs (a token reaches both ranks),
+    # a quarter of once per expert (4 of a token's 8 copies cross on average).
+    assert a2a["dense_blocks"] == pytest.approx(a2a["per_expert"] / 4)
+    assert a2a["per_rank_dedup"] <= a2a["dense_blocks"] < 1.01 * a2a["per_rank_dedup"]
+    # EP8: a token reaches about 5.3 of 8 ranks (4.6 rows cross), the blocks send 7 rows: as many as
+    # once per expert (8 copies, 7 of 8 crossing).
+    eight = estimate(
+        cli.resolve("deepseek3-671b-h200-128", ["moe.impl=ours", "moe.gemm=tokamax", "te_moe_block=false"])
+    ).a2a
+    assert eight["dense_blocks"] == pytest.approx(eight["per_expert"])
+    assert eight["dense_blocks"] == pytest.approx(
+        7 / (8 * (1 - comb(224, 8) / comb(256, 8)) * 7 / 8) * eight["per_rank_dedup"]
+    )
+
+
+def test_bad_planner_inputs_name_the_fix() -> None:
+    r = cli.resolve("deepseek3-671b-h200-128", [])
+    with pytest.raises(UserError, match=r"--gpus 100 is not a multiple of the other mesh axes \(product 8"):
+        estimate(r, gpus=100)
+    with pytest.raises(UserError, match=r"unknown GPU type 'h300'\. Did you mean 'h200'\?"):
+        estimate(r, gpu_type="h300")
+    with pytest.raises(UserError, match=r"remat_policy: is 'save_everything', which plan does not model"):
+        estimate(cli.resolve("deepseek3-671b-h200-128", ["remat_policy=save_everything"]))
+
+
+def test_cli_plan_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["plan", "deepseek3-671b-gb200-128"]) == 0
+    assert "fits" in capsys.readouterr().out
+    assert cli.main(["plan", "deepseek3-671b-gb200-128", "--gpus", "100"]) == 2
+    assert "not a multiple" in capsys.readouterr().err
+
+
+def test_state_memory_matches_xla_arguments_on_cpu_proxy() -> None:
+    """Parameters + AdamW state as the planner counts them vs XLA's compiled argument size.
+
+    MaxText's train_compile on XLA:CPU (compile_topology=a3 lowers for the local devices) gives the
+    argument bytes of the train step: parameters, mu, nu (and a step counter). Its temp bytes are not
+    compared: XLA:CPU's lowering is not the GPU's (see docs/PLAN.md).
+    """
+    from maxtext.trainers.pre_train import train_compile
+
+    r = cli.resolve("deepseek3-tiny-cpu", ["per_device_batch_size=1"])
+    mt = dict(
+        r.maxtext,
+        compile_topology="a3",
+        compile_topology_num_slices=1,
+        enable_checkpointing=False,
+        dataset_type="synthetic",
+    )
+    for key in (
+        "tokenizer_path",
+        "tokenizer_type",
+        "grain_file_type",
+        "train_data_columns",
+        "grain_worker_count",
+        "packing",
+    ):
+        mt.pop(key, None)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        train_compile.main(maxtext_config.argv(mt))
+    xla_args = int(re.search(r"argument_size_in_bytes=(\d+)", out.getvalue()).group(1))
+    mem = memory.per_gpu(Model.from_recipe(r), layout.from_recipe(r))
+    ours = mem.device["parameters"] + mem.device["optimizer state (AdamW mu, nu)"]
+    assert ours == pytest.approx(xla_args, rel=0.02)
+
+
+def test_minimal_preset_saves_what_maxtext_minimal_saves() -> None:
+    """The plan's `minimal` keeps in HBM exactly the tensors MaxText's own minimal policy saves; the expert
+    GEMM outputs count through the MaxText names our block gives them besides their moe_* names."""
+    from jax._src.ad_checkpoint import name_p
+    from maxtext.layers import nnx_decoders
+
+    policy = nnx_decoders.NNXDecoder.minimal_policy(None)
+    our_block_names = {"moe_mlpwi_0": "mlpwi_0", "moe_mlpwi_1": "mlpwi_1", "moe_mlpwo": "mlpwo"}
+    saved = {t for t in layout.REMAT_TENSORS if policy(name_p, name=our_block_names.get(t, t))}
+    assert saved == {t for t, where in layout.REMAT_PRESETS["minimal"].items() if where == "device"}
+    assert "context" not in saved and "moe_x_sorted" not in saved

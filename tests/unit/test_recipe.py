@@ -1,0 +1,324 @@
+"""Recipe composition and every validation error, on real YAML files; no jax needed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from maxtext_moe.errors import UserError
+from maxtext_moe.recipe import composition
+from maxtext_moe.recipe.validate import resolve
+from maxtext_moe.upstream import maxtext_config
+
+TINY = "deepseek3-tiny-cpu"
+
+
+def compose_resolve(ref, *overrides):
+    return resolve(composition.compose(str(ref), list(overrides)))
+
+
+def error_of(ref, *overrides) -> str:
+    with pytest.raises(UserError) as e:
+        compose_resolve(ref, *overrides)
+    return str(e.value)
+
+
+# ---- composition -------------------------------------------------------------------------------
+
+
+def test_default_recipe_composes_fragments_in_order_with_sources():
+    r = compose_resolve(TINY)
+    assert r.files[0] == "configs/base/maxtext-moe.yml"
+    assert r.files[-1] == "recipes/deepseek3-tiny-cpu.yml"
+    assert r.maxtext["model_name"] == "deepseek3-tiny"
+    assert r.sources["maxtext.model_name"] == "configs/model/deepseek3-tiny.yml"
+    assert r.sources["maxtext.steps"] == "recipes/deepseek3-tiny-cpu.yml"
+    assert r.maxtext["hardware"] == "cpu" and "derived" in r.sources["maxtext.hardware"]
+    assert r.env["JAX_PLATFORMS"] == "cpu"
+
+
+def test_later_files_and_command_line_override_earlier(recipe_file):
+    path = recipe_file(
+        "include: [base/maxtext-moe, model/deepseek3-tiny, hardware/cpu, parallelism/single-device]\n"
+        "maxtext: {vocab_size: 1000, steps: 7}\n"
+    )
+    r = compose_resolve(path, "steps=9", "env.NCCL_DEBUG=INFO", "xla.xla_dump_to=/tmp/x")
+    assert r.maxtext["vocab_size"] == 1000 and r.sources["maxtext.vocab_size"] == str(path)
+    assert r.maxtext["steps"] == 9 and r.sources["maxtext.steps"] == "command line"
+    assert r.env["NCCL_DEBUG"] == "INFO"
+    assert r.env["XLA_FLAGS"] == "--xla_dump_to=/tmp/x"
+
+
+def test_xla_flags_section_is_joined_and_bools_lowercased(recipe_file):
+    path = recipe_file(
+        "include: [base/maxtext-moe, model/deepseek3-tiny, hardware/cpu, parallelism/single-device]\n"
+        "xla_flags: {xla_gpu_enable_latency_hiding_scheduler: true,"
+        " xla_gpu_all_gather_combine_threshold_bytes: 6442450944}\n"
+    )
+    flags = compose_resolve(path).env["XLA_FLAGS"].split()
+    assert flags == [
+        "--xla_gpu_enable_latency_hiding_scheduler=true",
+        "--xla_gpu_all_gather_combine_threshold_bytes=6442450944",
+    ]
+
+
+def test_resolved_values_reach_maxtext_unchanged():
+    """What `show` prints is what MaxText's own config model ends up with."""
+    r = compose_resolve(TINY)
+    config = maxtext_config.check(r.maxtext, r.sources)
+    for key in (
+        "steps",
+        "learning_rate",
+        "n_routing_groups",
+        "routed_bias_update_rate",
+        "mtp_num_layers",
+        "base_num_decoder_layers",
+        "vocab_size",
+        "sparse_matmul",
+        "megablox",
+    ):
+        assert getattr(config, key) == r.maxtext[key], key
+    assert list(config.train_data_columns) == ["text"]
+
+
+def test_resolver_does_not_import_jax():
+
+    code = (
+        "import sys; from maxtext_moe.recipe import composition, validate; "
+        f"validate.resolve(composition.compose({TINY!r})); print('jax' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+# ---- errors: each names the key, the file and the fix -------------------------------------------
+
+
+def test_unknown_recipe_suggests_the_close_one():
+    assert "no recipe named 'deepseek3-tiny-cp'. Did you mean 'deepseek3-tiny-cpu'?" in error_of("deepseek3-tiny-cp")
+
+
+def test_unknown_maxtext_key_in_file_names_file_and_suggests(recipe_file):
+    path = recipe_file("include: [base/maxtext-moe]\nmaxtext: {num_expert: 8}\n")
+    msg = error_of(path)
+    assert msg.startswith(f"{path}: num_expert: unknown MaxText key. Did you mean 'num_experts'?")
+
+
+def test_unknown_key_on_command_line():
+    assert "command line: per_device_batch: unknown MaxText key. Did you mean 'per_device_batch_size'?" in error_of(
+        TINY, "per_device_batch=2"
+    )
+
+
+def test_unknown_section_and_fragment(recipe_file):
+    assert "unknown section 'maxtxt'. Did you mean 'maxtext'?" in error_of(recipe_file("maxtxt: {steps: 1}\n"))
+    msg = error_of(recipe_file("include: [model/deepseek3-tinyy]\n"))
+    assert "no fragment 'model/deepseek3-tinyy'. Did you mean 'model/deepseek3-tiny'?" in msg
+
+
+def test_invalid_yaml_names_file(recipe_file):
+    path = recipe_file("maxtext: {steps: [1,\n")
+    assert error_of(path).startswith(f"{path}: is not valid YAML")
+
+
+def test_wrong_type(recipe_file):
+    msg = error_of(TINY, "steps=abc")
+    assert msg.startswith("command line: steps: must be an integer, got 'abc' (str).")
+    path = recipe_file(
+        "include: [base/maxtext-moe, model/deepseek3-tiny, hardware/cpu, parallelism/single-device]\n"
+        "maxtext: {sparse_matmul: 'yes'}\n"
+    )
+    assert f"{path}: sparse_matmul: must be true or false" in error_of(path)
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("steps=0", "steps: must be at least 1 (or -1 to follow learning_rate_schedule_steps), got 0."),
+        ("per_device_batch_size=-1", "per_device_batch_size: must be greater than 0, got -1."),
+        ("learning_rate=0", "learning_rate: must be greater than 0, got 0."),
+        ("routed_bias_update_rate=-0.1", "routed_bias_update_rate: must be 0 or more, got -0.1."),
+        ("num_experts_per_tok=32", "num_experts_per_tok: routes each token to 32 experts but the model has only 16."),
+        ("first_num_dense_layers=9", "first_num_dense_layers: is 9 but the model has only 4 decoder layers."),
+    ],
+)
+def test_out_of_range(override, expected):
+    assert f"command line: {expected}" in error_of(TINY, override)
+
+
+def test_megablox_on_cpu_names_the_default_when_unset(recipe_file):
+    path = recipe_file(
+        "include: [model/deepseek3-tiny, hardware/cpu, parallelism/single-device]\nmaxtext: {sparse_matmul: true}\n"
+    )
+    msg = error_of(path)
+    assert msg.startswith("MaxText's base.yml default: megablox: is true, but megablox is a TPU kernel")
+    assert "Fix: set megablox: false" in msg
+
+
+def test_fp8_on_hardware_without_fp8():
+    msg = error_of(TINY, "quantization=te_fp8_currentscaling")
+    assert "command line: quantization: asks for FP8 (te_fp8_currentscaling) but cpu has no FP8 matrix units." in msg
+
+
+def test_mxfp8_experts_on_hopper_are_refused():
+    msg = error_of(TINY, "topology.hardware=h200", "topology.gpus_per_node=1", "te_gmm_quantization=te_mxfp8")
+    assert "te_gmm_quantization: is te_mxfp8, but MXFP8 needs Blackwell (SM100) and h200 is SM90." in msg
+
+
+def test_te_moe_block_refuses_to_drop_the_bias_update():
+    msg = error_of(
+        TINY,
+        "topology.hardware=h200",
+        "topology.gpus_per_node=1",
+        "te_moe_block=true",
+        "te_gmm_quantization=te_no_quant",
+    )
+    assert msg.startswith("configs/model/deepseek3-tiny.yml: routed_bias_update_rate: is above 0")
+    assert "would drop it" in msg
+
+
+def test_expert_parallel_size_must_divide_experts():
+    msg = error_of(TINY, "topology.gpus_per_node=3", "ici_expert_parallelism=3")
+    assert "command line: ici_expert_parallelism: is 3, which does not divide num_experts=16." in msg
+
+
+def test_mesh_must_match_device_count():
+    msg = error_of(TINY, "topology.gpus_per_node=4")
+    assert "the mesh (all 1) does not fit 4 devices (1 node(s) x 4)" in msg
+    msg = error_of(TINY, "topology.gpus_per_node=4", "ici_fsdp_parallelism=2")
+    assert msg.startswith(
+        "command line: ici_fsdp_parallelism: the mesh (ici_fsdp_parallelism=2) does not fit 4 devices"
+    )
+    assert compose_resolve(TINY, "topology.gpus_per_node=4", "ici_fsdp_parallelism=-1").topology.num_devices == 4
+
+
+def test_dcn_axes_are_refused_on_gpu():
+    msg = error_of(TINY, "dcn_fsdp_parallelism=2")
+    assert "dcn_fsdp_parallelism: is not 1, but on GPUs and CPUs MaxText sees all devices as one slice." in msg
+
+
+def test_unknown_hardware_and_bad_topology():
+    assert "topology.hardware: unknown hardware 'h20'. Did you mean 'h200'?" in error_of(TINY, "topology.hardware=h20")
+    assert "topology.nodes: must be a whole number of at least 1, got 0." in error_of(TINY, "topology.nodes=0")
+
+
+def test_explicit_maxtext_hardware_must_agree_with_topology():
+    assert "hardware: is 'gpu' but topology.hardware is cpu" in error_of(TINY, "hardware=gpu")
+
+
+def test_override_syntax_errors():
+    assert "override 'steps' has no '='" in error_of(TINY, "steps")
+    assert "unknown prefix 'evn' in 'evn.X'. Did you mean 'env'?" in error_of(TINY, "evn.X=1")
+    assert "xla_flags.gpu_foo: XLA flag names start with 'xla_'" in error_of(TINY, "xla.gpu_foo=1")
+    assert "topology.node: unknown topology field. Did you mean 'nodes'?" in error_of(TINY, "topology.node=2")
+    assert "corpus.max_mb: unknown corpus field. Did you mean 'max_mib'?" in error_of(TINY, "corpus.max_mb=3")
+    assert "env.1X: is not a valid environment variable name." in error_of(TINY, "env.1X=3")
+
+
+def test_maxtext_pydantic_validation_also_runs():
+    """A value our checks pass (a string) that MaxText's own model rejects is reported with its key."""
+    r = compose_resolve(TINY, "opt_type=sgdd")
+    with pytest.raises(UserError) as e:
+        maxtext_config.check(r.maxtext, r.sources)
+    assert str(e.value).startswith("command line: opt_type: MaxText rejects it: Input should be")
+
+
+def test_every_recipe_file_is_a_mapping_with_a_description():
+    for name in composition.recipe_names():
+        data = yaml.safe_load(composition.find_recipe(name).read_text())
+        assert data.get("description"), name
+
+
+def test_moe_section_defaults_and_checks():
+    assert compose_resolve(TINY).moe == {"impl": "maxtext"}
+    r = compose_resolve(TINY, "moe.impl=ours")
+    assert r.moe == {
+        "impl": "ours",
+        "gemm": "ragged_dot",
+        "te_gemm_path": "auto",
+        "fp8": "none",
+        "exchange": "auto",
+        "attention_residuals": "recompute",
+    }
+    assert r.sources["moe.gemm"] == "default for cpu"
+    assert "moe.impl: must be one of maxtext, ours, got 'mine'." in error_of(TINY, "moe.impl=mine")
+    assert "moe.gemm: applies only to moe.impl: ours" in error_of(TINY, "moe.gemm=tokamax")
+    assert "moe.gemm: is te, but Transformer Engine's grouped GEMM needs an NVIDIA GPU" in error_of(
+        TINY, "moe.impl=ours", "moe.gemm=te"
+    )
+    assert "moe.attention_residuals: is save, but attention is 'dot_product'" in error_of(
+        TINY, "moe.impl=ours", "moe.attention_residuals=save", "attention=dot_product"
+    )
+    assert compose_resolve("deepseek3-proxy-h200-1gpu").moe["attention_residuals"] == "save"
+    ep = ("moe.impl=ours", "topology.gpus_per_node=2", "ici_expert_parallelism=2", "ici_fsdp_parallelism=1")
+    assert compose_resolve(TINY, *ep).maxtext["ici_expert_parallelism"] == 2
+    assert "use_ring_of_experts: is true, but moe.impl: ours does its own expert-parallel dispatch" in error_of(
+        TINY, *ep, "use_ring_of_experts=true"
+    )
+    two = "deepseek3-proxy-h200-2gpu"
+    assert compose_resolve(two).maxtext["scan_layers"] is False and compose_resolve(two).moe["exchange"] == "auto"
+    assert "scan_layers: is true, but with moe.gemm: te and expert parallelism XLA's compiler crashes" in error_of(
+        two, "scan_layers=true"
+    )
+    assert compose_resolve(two, "scan_layers=true", "moe.gemm=tokamax").maxtext["scan_layers"] is True
+    assert "moe.exchange: is ragged_all_to_all, which XLA implements on GPUs only" in error_of(
+        TINY, *ep, "moe.exchange=ragged_all_to_all"
+    )
+    assert compose_resolve(two, "moe.exchange=ragged_all_to_all").moe["exchange"] == "ragged_all_to_all"
+    assert (
+        "decoder_block: is 'llama2', but moe.impl: ours replaces the routed experts of MaxText's DeepSeek"
+        in error_of(TINY, "moe.impl=ours", "decoder_block=llama2")
+    )
+    assert compose_resolve("deepseek3-proxy-h200-1gpu", "moe.impl=maxtext").moe == {"impl": "maxtext"}
+    gpu = compose_resolve(TINY, "moe.impl=ours", "topology.hardware=h200", "topology.gpus_per_node=1")
+    assert gpu.moe["gemm"] == "te"
+
+
+def test_moe_fp8_needs_te_and_fp8_hardware():
+    proxy = "deepseek3-proxy-h200-1gpu"
+    assert compose_resolve(proxy).moe["fp8"] == "none"
+    r = compose_resolve(proxy, "moe.fp8=current_scaling")
+    assert r.moe["fp8"] == "current_scaling" and r.sources["moe.fp8"] == "command line"
+    assert "moe.fp8: must be one of none, current_scaling, got 'mxfp8'." in error_of(proxy, "moe.fp8=mxfp8")
+    assert (
+        "command line: moe.fp8: is current_scaling, but FP8 expert GEMMs run on Transformer Engine's grouped "
+        "GEMM only, and moe.gemm is tokamax. Fix: set moe.gemm: te, or moe.fp8: none."
+    ) in error_of(proxy, "moe.fp8=current_scaling", "moe.gemm=tokamax")
+    assert "moe.fp8: is current_scaling, but cpu has no FP8 matrix units. Fix: set moe.fp8: none" in error_of(
+        TINY, "moe.impl=ours", "moe.fp8=current_scaling"
+    )
+    assert "moe.fp8: applies only to moe.impl: ours" in error_of(TINY, "moe.fp8=current_scaling")
+
+
+def test_advice_names_the_scanned_te_step_that_computes_gemms_twice():
+    from maxtext_moe.recipe import advice
+
+    assert advice.notes(compose_resolve("deepseek3-proxy-h200-1gpu")) == []  # unrolled, as measured fastest
+    (note,) = advice.notes(compose_resolve("deepseek3-proxy-h200-1gpu", "scan_layers=true"))
+    assert "scan_layers is true with moe.gemm: te and remat_policy: minimal" in note and "scan_layers: false" in note
+    assert advice.notes(compose_resolve("deepseek3-proxy-h200-1gpu", "scan_layers=true", "remat_policy=full")) == []
+    assert advice.notes(compose_resolve("deepseek3-proxy-h200-1gpu", "scan_layers=true", "moe.gemm=tokamax")) == []
+    shown = subprocess.run(
+        [sys.executable, "-m", "maxtext_moe", "show", "deepseek3-proxy-h200-1gpu", "scan_layers=true"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert shown.splitlines()[-1] == f"# {note}"
+
+
+def test_advice_names_the_uncapped_ep_buffer_and_the_attention_rerun():
+    from maxtext_moe.recipe import advice
+
+    two, one = "deepseek3-proxy-h200-2gpu", "deepseek3-proxy-h200-1gpu"
+    assert advice.notes(compose_resolve(two)) == []  # capped at 1.1, attention residuals kept: as measured
+    (note,) = advice.notes(compose_resolve(two, "ragged_buffer_factor=-1"))
+    assert "ragged_buffer_factor is -1" in note and "EP x the routed rows" in note
+    assert advice.notes(compose_resolve(two, "ragged_buffer_factor=-1", "moe.gemm=tokamax")) == []  # tokamax skips them
+    (note,) = advice.notes(compose_resolve(one, "moe.attention_residuals=recompute"))
+    assert "reruns the attention forward kernel" in note and "moe.attention_residuals: save" in note
+    assert advice.notes(compose_resolve(one, "moe.attention_residuals=recompute", "remat_policy=full")) == []
+    assert advice.notes(compose_resolve(one, "moe.impl=maxtext")) == []  # MaxText's block as it is
