@@ -69,12 +69,23 @@ def render_show(r: ResolvedRecipe) -> str:
 
 
 def cmd_list(_: argparse.Namespace) -> int:
-    names = composition.recipe_names()
-    width = max(len(n) for n in names)
-    for name in names:
-        desc = str(composition.load_yaml(composition.find_recipe(name)).get("description", "")).strip().splitlines()
-        marker = " (default)" if name == DEFAULT_RECIPE else ""
-        print(f"{name.ljust(width)}  {desc[0] if desc else ''}{marker}")
+    """Recipes by the cluster they are written for (hardware x GPUs), so a user picks the row of their own."""
+    rows = []
+    for name in composition.recipe_names():
+        t = resolve(name, []).topology
+        desc = str(composition.load_yaml(composition.find_recipe(name)).get("description", "")).split()
+        rows.append((t.hardware, t.num_devices, name + (" (default)" if name == DEFAULT_RECIPE else ""), desc))
+    rows.sort(key=lambda r: (r[0] != "cpu", r[1] > 2, r[0], r[1], r[2]))
+    width = max(len(r[2]) for r in rows) + 2
+    print(f"{'cluster':<14}{'recipe':<{width}}what")
+    for hardware, devices, name, desc in rows:
+        summary = " ".join(desc)
+        cut = summary[:100].rsplit(" ", 1)[0] + " ..." if len(summary) > 100 else summary
+        print(f"{f'{devices} x {hardware}':<14}{name:<{width}}{cut}")
+    print(
+        "\nPick the row of your GPU type; another size of cluster is an override (topology.nodes=N), and "
+        "`maxtext-moe plan RECIPE --gpus N` checks that it fits before you launch."
+    )
     return 0
 
 

@@ -6,7 +6,7 @@
 set -uo pipefail
 source scripts/device/common.sh
 second=$(( $(nvidia-smi -L | wc -l) > 1 ? 1 : 0 ))
-CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m pytest tests/test_moe_gpu.py -m gpu -q -p no:cacheprovider \
+CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m pytest tests/gpu/test_moe_gpu.py -m gpu -q -p no:cacheprovider \
   > "$W/pytest_moe_gpu.log" 2>&1 &
 [ "$second" = 1 ] || wait
 CUDA_VISIBLE_DEVICES=$second timeout 200 python3 benchmarks/bench_moe_layer.py --tokens 8192 16384 \

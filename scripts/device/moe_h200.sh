@@ -4,6 +4,6 @@
 # Logs and JSON: $OUT/results.tgz.
 set -uo pipefail
 source scripts/device/common.sh
-[ "${MOE_GPU_TESTS:-1}" = 0 ] || timeout 150 python3 -m pytest tests/test_moe_gpu.py -q -p no:cacheprovider 2>&1 | tee "$W/pytest_gpu.log" | tail -15
+[ "${MOE_GPU_TESTS:-1}" = 0 ] || timeout 150 python3 -m pytest tests/gpu/test_moe_gpu.py -q -p no:cacheprovider 2>&1 | tee "$W/pytest_gpu.log" | tail -15
 python3 benchmarks/bench_moe_layer.py --out "$W/moe_layer_h200.json" "$@" 2>&1 | grep -v "Warning\|sow\|https://\|^ *$" | tee "$W/bench.log"
 pack

@@ -7,11 +7,15 @@ import json
 from conftest import run_cli
 
 
-def test_list_names_the_default_recipe():
+def test_list_puts_each_recipe_on_its_cluster_and_names_the_default():
     r = run_cli("list")
     assert r.returncode == 0, r.stderr
-    line = next(line for line in r.stdout.splitlines() if line.startswith("deepseek3-tiny-cpu"))
-    assert line.endswith("(default)")
+    rows = {line.split()[3]: line.split() for line in r.stdout.splitlines()[1:] if " x " in line[:14]}
+    assert rows["deepseek3-tiny-cpu"][:5] == ["1", "x", "cpu", "deepseek3-tiny-cpu", "(default)"]
+    assert rows["deepseek3-671b-h200-128"][:3] == ["128", "x", "h200"]
+    assert rows["deepseek3-671b-h100-256"][:3] == ["256", "x", "h100"]
+    assert rows["deepseek3-proxy-h200-2gpu"][:3] == ["2", "x", "h200"]
+    assert "plan RECIPE --gpus N" in r.stdout
 
 
 def test_show_annotates_sources_and_json_has_all_sections():

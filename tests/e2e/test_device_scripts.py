@@ -86,7 +86,7 @@ def test_two_gpu_runs_start_one_process_per_gpu_or_one_for_both(tmp_path: Path) 
     assert sorted(c.split(" -m")[0] for c in bench[:2]) == ["CVD=unset PID=0 N=2", "CVD=unset PID=1 N=2"]
     assert bench[2].startswith("CVD=unset PID=unset N=unset") and " bench rec --steps 6 " in bench[2]
     ep = [c for c in calls if "benchmarks/bench_ep_dispatch.py" in c]
-    assert sorted(c.split(" scripts/")[0] for c in ep) == ["CVD=unset PID=0 N=2", "CVD=unset PID=1 N=2"]
+    assert sorted(c.split(" benchmarks/")[0] for c in ep) == ["CVD=unset PID=0 N=2", "CVD=unset PID=1 N=2"]
     assert all("--backend te" in c for c in ep)
     assert {"two.p0.log", "two.p1.log", "one.p0.log", "dispatch_gpu.log", "ep_dispatch_te_f-1.p0.log"} <= packed(
         archive

@@ -109,7 +109,7 @@ def test_older_gpu_and_fewer_devices_are_gaps():
 
 
 def test_blackwell_mxfp8_recipe_needs_sm100():
-    r = resolve("deepseek3-671b-gb200-128", [])
+    r = resolve("deepseek3-671b-published-gb200-128", [])
     assert "gpu" in _gaps(doctor.compare(_h200(nccl=(2, 30, 4)), r))
     assert "gpu" not in _gaps(doctor.compare(_h200(nccl=(2, 30, 4), compute_capability=(10, 0)), r))
 

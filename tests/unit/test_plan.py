@@ -21,8 +21,8 @@ GIB = 2**30
     "ref,overrides",
     [
         ("deepseek3-tiny-cpu", []),
-        ("deepseek3-671b-gb200-128", []),
-        ("deepseek3-671b-full-gb200-128", []),  # group routing + MTP
+        ("deepseek3-671b-published-gb200-128", []),
+        ("deepseek3-671b-gb200-128", []),  # group routing + MTP
         ("deepseek3-671b-h200-128", ["max_target_length=8192", "per_device_batch_size=1"]),
     ],
 )
@@ -40,18 +40,18 @@ def test_flops_match_maxtext(ref: str, overrides: list[str]) -> None:
 
 def test_deepseek_v3_published_flops_per_token() -> None:
     """~250 GFLOP/token without MTP and ~260 with one MTP layer at 4K (DESIGN.md), within 2%."""
-    no_mtp = estimate(cli.resolve("deepseek3-671b-gb200-128", []))
-    mtp = estimate(cli.resolve("deepseek3-671b-full-gb200-128", []))
+    no_mtp = estimate(cli.resolve("deepseek3-671b-published-gb200-128", []))
+    mtp = estimate(cli.resolve("deepseek3-671b-gb200-128", []))
     assert no_mtp.flops.total / 1e9 == pytest.approx(250, rel=0.02)
     assert mtp.flops.total / 1e9 == pytest.approx(260, rel=0.02)
     assert mtp.flops.maxtext < mtp.flops.total  # MaxText leaves out MTP's projection and head pass
-    assert Model.from_recipe(cli.resolve("deepseek3-671b-gb200-128", [])).main_params / 1e9 == pytest.approx(
+    assert Model.from_recipe(cli.resolve("deepseek3-671b-published-gb200-128", [])).main_params / 1e9 == pytest.approx(
         671, rel=0.005
     )
 
 
 def test_published_gb200_recipe_fits_and_reports_consumers() -> None:
-    p = estimate(cli.resolve("deepseek3-671b-gb200-128", []))
+    p = estimate(cli.resolve("deepseek3-671b-published-gb200-128", []))
     assert p.fits
     assert p.layout.fsdp == 16 and p.layout.ep == 8
     text = p.render()
@@ -60,7 +60,7 @@ def test_published_gb200_recipe_fits_and_reports_consumers() -> None:
     for key in ("fits", "memory_per_gpu_gib", "gflops_per_token", "predicted_tflops_per_gpu"):
         assert key in j
     # Offloading the MoE up-projection moves bytes from HBM to host: none are offloaded under full remat.
-    full = estimate(cli.resolve("deepseek3-671b-gb200-128", ["remat_policy=full"]))
+    full = estimate(cli.resolve("deepseek3-671b-published-gb200-128", ["remat_policy=full"]))
     assert full.memory.host_total == 0 and p.memory.host_total > 0
 
 
@@ -127,9 +127,9 @@ def test_bad_planner_inputs_name_the_fix() -> None:
 
 
 def test_cli_plan_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["plan", "deepseek3-671b-gb200-128"]) == 0
+    assert cli.main(["plan", "deepseek3-671b-published-gb200-128"]) == 0
     assert "fits" in capsys.readouterr().out
-    assert cli.main(["plan", "deepseek3-671b-gb200-128", "--gpus", "100"]) == 2
+    assert cli.main(["plan", "deepseek3-671b-published-gb200-128", "--gpus", "100"]) == 2
     assert "not a multiple" in capsys.readouterr().err
 
 

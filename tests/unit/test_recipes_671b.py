@@ -17,7 +17,7 @@ def test_recipe_resolves_and_maxtext_accepts_it(name: str) -> None:
 
 
 def test_published_gb200_recipe_settings() -> None:
-    r = cli.resolve("deepseek3-671b-gb200-128", [])
+    r = cli.resolve("deepseek3-671b-published-gb200-128", [])
     assert r.topology.num_devices == 128
     e = r.effective
     assert (e("ici_fsdp_parallelism"), e("ici_expert_parallelism")) == (-1, 8)
@@ -46,15 +46,33 @@ def test_published_gb200_recipe_settings() -> None:
         assert flag in flags
 
 
-def test_full_semantics_keeps_bias_update_off_the_te_block() -> None:
-    r = cli.resolve("deepseek3-671b-full-gb200-128", [])
+OURS_671B = {
+    "deepseek3-671b-h100-256": "current_scaling",
+    "deepseek3-671b-h200-128": "current_scaling",
+    "deepseek3-671b-gb200-128": "mxfp8",
+    "deepseek3-671b-gb300-1024": "mxfp8",
+}
+
+
+@pytest.mark.parametrize(("name", "fp8"), OURS_671B.items())
+def test_671b_recipes_train_deepseek_v3_as_trained_on_our_block(name: str, fp8: str) -> None:
+    """The paper's semantics: sigmoid scores, 8 groups / top-4, top-8 of 256 experts, scaling 2.5, bias update
+    rate 0.001, 1 shared expert, 3 dense layers, 1 MTP layer; our block with FP8 experts."""
+    r = cli.resolve(name, [])
     e = r.effective
-    assert (e("n_routing_groups"), e("topk_routing_group"), e("mtp_num_layers")) == (8, 4, 1)
-    assert e("routed_bias_update_rate") > 0 and e("te_moe_block") is False
+    assert (e("n_routing_groups"), e("topk_routing_group"), e("num_experts"), e("num_experts_per_tok")) == (8, 4, 256, 8)
+    assert (e("routed_score_func"), e("routed_scaling_factor"), e("routed_bias_update_rate")) == ("sigmoid", 2.5, 0.001)
+    assert (e("shared_experts"), e("first_num_dense_layers"), e("mtp_num_layers")) == (1, 3, 1)
+    assert e("te_moe_block") is False
+    assert (r.moe["impl"], r.moe["gemm"], r.moe["fp8"]) == ("ours", "te", fp8)
+    assert r.effective("ici_expert_parallelism") == 8
+
+
+def test_te_block_still_refuses_the_bias_update() -> None:
     with pytest.raises(UserError, match="routed_bias_update_rate: is above 0"):
         cli.resolve(
-            "deepseek3-671b-full-gb200-128",
-            ["te_moe_block=true", "te_gmm_quantization=te_no_quant", "prefuse_moe_weights=true"],
+            "deepseek3-671b-published-gb200-128",
+            ["routed_bias_update_rate=0.001"],
         )
 
 

@@ -18,7 +18,7 @@ def test_every_shipped_recipes_flags_are_known_to_this_xla(name: str) -> None:
 
 
 def test_a_misspelt_flag_names_its_key_and_where_it_was_set() -> None:
-    r = cli.resolve("deepseek3-671b-gb200-128", ["xla_flags.xla_gpu_enable_latency_hidding_scheduler=true"])
+    r = cli.resolve("deepseek3-671b-published-gb200-128", ["xla_flags.xla_gpu_enable_latency_hidding_scheduler=true"])
     with pytest.raises(UserError) as e:
         xla_flags.check(r)
     text = str(e.value)
@@ -27,7 +27,7 @@ def test_a_misspelt_flag_names_its_key_and_where_it_was_set() -> None:
 
 
 def test_a_bad_value_names_its_key_and_the_file_that_set_it() -> None:
-    r = cli.resolve("deepseek3-671b-gb200-128", ["xla_flags.xla_gpu_all_gather_combine_threshold_bytes=lots"])
+    r = cli.resolve("deepseek3-671b-published-gb200-128", ["xla_flags.xla_gpu_all_gather_combine_threshold_bytes=lots"])
     with pytest.raises(
         UserError,
         match=r"xla_flags\.xla_gpu_all_gather_combine_threshold_bytes: XLA \(jaxlib "
