@@ -112,12 +112,12 @@ def _unrolled_peak(device: dict[str, float], layer_saved: float) -> None:
     recompute before that collective is done, and no memory is reused. The logits and their fp32 copies are
     freed once the head's backward is done, before any layer's backward starts: the two never coexist. The
     parameter gradients appear as the activations free, and count only where they (with one layer's working
-    set) outgrow them. Scanned,
-    the loop's residuals are one stacked buffer freed after the loop, and the loop carries the stacked
-    gradients from its first iteration: every term counts in full.
+    set) outgrow them. Scanned, the loop's residuals are one stacked buffer freed after the loop, and the
+    loop carries the stacked gradients from its first iteration: every term counts in full.
     Not read from XLA's buffer assignment; checked against every measured proxy peak
     (tests/unit/test_plan_calibration.py): counting the working set and logits on top of each other and the
-    saved tensors put the one-H200 unrolled proxy 17-22% high at batch 8."""
+    saved tensors put the one-H200 unrolled proxy 17-22% high at batch 8; reusing the layer's saved tensors
+    under EP put the two-H200 EP2 proxy 9-11% low (the scheduler explanation is inferred, not read from XLA)."""
     grads = device.pop("gradients")
     working = device.pop("layer working set (recompute + MoE dispatch)")
     logits = device.pop("logits + loss")
