@@ -5,7 +5,9 @@ MaxText's remat policy decides per named tensor whether it is kept in HBM, offlo
 recomputed. This module adds up, per GPU: parameters, gradients and AdamW state at their dtypes and
 shardings; the layer inputs and the `device` tensors every layer keeps for the backward pass; one
 layer's transient working set (recomputed tensors, their gradients, MoE dispatch buffers); gathered
-FSDP weights; and logits. Host memory holds the `offload` tensors (and offloaded optimizer state).
+FSDP (or scan-sliced) layer weights; and logits. Host memory holds the `offload` tensors (and offloaded
+optimizer state). Unrolled and scanned layers peak differently (`_unrolled_peak`); every constant is checked
+against the measured proxy peaks in tests/unit/test_plan_calibration.py.
 """
 
 from __future__ import annotations
@@ -18,8 +20,13 @@ from maxtext_moe.plan.model import Model
 GIB = 2**30
 # Logits live as the activation dtype, an fp32 copy for the log-softmax, and the fp32 gradient.
 LOGIT_FP32_COPIES = 2
-# Gathered FSDP weights: the layer in use, the next one prefetched, and the gradient awaiting reduce-scatter.
-GATHERED_LAYER_COPIES = 3
+# Whole-layer weight copies while a layer runs. FSDP: the gathered layer in use, the next one prefetched and
+# the gradient awaiting reduce-scatter. Scanned at FSDP 1 as well: the loop body slices its layer out of the
+# stacked weights (a copy), the next iteration's slice is made early, and the layer's gradient is a fresh
+# buffer before it is written into the stacked gradient. Three copies put every scanned one-H200 proxy run
+# within 4% at batch 2-4 (without them, 8-14% low: 77.8 GiB measured against 68.0 planned at batch 2, full
+# remat); unrolled at FSDP 1 the weights are used in place.
+LAYER_WEIGHT_COPIES = 3
 
 
 @dataclass(frozen=True)
@@ -87,21 +94,36 @@ def _working_set(sizes: dict[str, float], remat: dict[str, str]) -> float:
 
 
 UNROLLED_GRADIENTS = "gradients (beyond the activations freed before them)"
+UNROLLED_TRANSIENT = "logits + loss, or one layer's backward working set (never live together)"
+WEIGHT_COPIES = "layer weight copies (scan slice, FSDP gather, layer gradient)"
 
 
-def _gradients_fill_as_activations_free(device: dict[str, float]) -> None:
-    """Unrolled layers: each layer's saved tensors can be freed during that layer's backward, as its parameter
-    gradients appear, so the peak can come at the start of the backward, before any gradient exists; the
-    gradients count only where they outgrow the activations. Scanned, the backward loop carries the stacked
-    gradients of every layer from its first iteration, next to the saved tensors: counted in full.
-    Not read from XLA's buffer assignment; fitted to measured peaks (docs/PLAN.md): unrolled, counting the
-    gradients in full put the one-H200 proxy 29-30% high and the two-H200 EP2 proxy 17-20% high."""
+def _layer_has_collectives(lay: Layout) -> bool:
+    """Whether a layer's backward ends in a collective (EP all-to-all, FSDP reduce-scatter, TP reduction)."""
+    return lay.ep > 1 or lay.fsdp > 1 or lay.tp > 1
+
+
+def _unrolled_peak(device: dict[str, float], layer_saved: float) -> None:
+    """Unrolled layers: the peak is at the start of the backward pass, with every layer's saved tensors live.
+
+    Each layer's saved tensors are their own buffers, freed by that layer's backward as its working set
+    grows, so on one GPU a layer's working set reuses the memory of its own saved tensors (`layer_saved`);
+    where the layer's backward ends in a collective, the latency-hiding scheduler starts the next layer's
+    recompute before that collective is done, and no memory is reused. The logits and their fp32 copies are
+    freed once the head's backward is done, before any layer's backward starts: the two never coexist. The
+    parameter gradients appear as the activations free, and count only where they (with one layer's working
+    set) outgrow them. Scanned, the loop's residuals are one stacked buffer freed after the loop, and the
+    loop carries the stacked gradients from its first iteration: every term counts in full.
+    Not read from XLA's buffer assignment; checked against every measured proxy peak
+    (tests/unit/test_plan_calibration.py): counting the working set and logits on top of each other and the
+    saved tensors put the one-H200 unrolled proxy 17-22% high at batch 8; reusing the layer's saved tensors
+    under EP put the two-H200 EP2 proxy 9-11% low (the scheduler explanation is inferred, not read from XLA)."""
     grads = device.pop("gradients")
-    activations = sum(
-        device[k]
-        for k in ("saved activations (remat policy)", "layer working set (recompute + MoE dispatch)", "logits + loss")
-    )
-    device[UNROLLED_GRADIENTS] = max(0.0, grads - activations)
+    working = device.pop("layer working set (recompute + MoE dispatch)")
+    logits = device.pop("logits + loss")
+    transient = max(logits, working - layer_saved)
+    device[UNROLLED_TRANSIENT] = transient
+    device[UNROLLED_GRADIENTS] = max(0.0, grads + working - device["saved activations (remat policy)"] - transient)
 
 
 def per_gpu(m: Model, lay: Layout) -> Memory:
@@ -140,10 +162,13 @@ def per_gpu(m: Model, lay: Layout) -> Memory:
     device = dict(state)
     device["saved activations (remat policy)"] = stage_tokens * saved_dev * act
     device["layer working set (recompute + MoE dispatch)"] = micro_tokens * working * act
-    device["gathered FSDP weights"] = gathered * lay.weight_bytes * GATHERED_LAYER_COPIES if lay.fsdp > 1 else 0.0
+    copies = LAYER_WEIGHT_COPIES if lay.fsdp > 1 or lay.scanned else 0
+    device[WEIGHT_COPIES] = gathered * lay.weight_bytes * copies
     device["logits + loss"] = logits
     if not lay.scanned:
-        _gradients_fill_as_activations_free(device)
+        moe_saved = m.emb / lay.tp + sum(s for t, s in tensor_sizes(m, lay, True).items() if lay.remat[t] == "device")
+        layer_saved = 0.0 if _layer_has_collectives(lay) else micro_tokens * moe_saved * act
+        _unrolled_peak(device, layer_saved)
     if saved_host:
         host["offloaded activations"] = stage_tokens * saved_host * act
     return Memory(device=device, host=host)

@@ -176,8 +176,8 @@ def check_fits(resolved: ResolvedRecipe) -> None:
             key="topology.nodes",
             source=resolved.name,
             fix=f"use more nodes, or see `maxtext-moe plan {resolved.name} topology.nodes={resolved.topology.nodes} "
-            "--search` for layouts that fit; if a run measured that it fits (the estimate ran up to 22% high "
-            "for unrolled layers, docs/PLAN.md), pass --skip-fit-check.",
+            "--search` for layouts that fit; if a run measured that it fits (the estimate is within 10% of every "
+            "measured proxy peak, docs/PLAN.md), pass --skip-fit-check.",
         )
 
 

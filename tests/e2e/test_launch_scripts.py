@@ -159,14 +159,16 @@ def test_launch_refuses_a_layout_the_planner_says_does_not_fit():
     assert r.stdout == ""
 
 
-def test_launch_prints_a_measured_layout_the_planner_rejects_when_asked():
-    """The one-GPU proxy ran at 110.9 GiB on an H200 (docs/PERFORMANCE.md) where the planner puts it above the
-    usable memory: refused by default, with the way out named; printed with --skip-fit-check."""
-    refused = run_cli("launch", "deepseek3-proxy-h200-1gpu", "--slurm", "--nodes", "1", timeout=120)
-    assert refused.returncode == 2 and "--skip-fit-check" in refused.stderr
-    r = run_cli("launch", "deepseek3-proxy-h200-1gpu", "--slurm", "--nodes", "1", "--skip-fit-check", timeout=120)
+def test_launch_accepts_the_measured_proxy_and_refuses_a_batch_that_does_not_fit_unless_asked():
+    """The one-GPU proxy ran at 110.9 GiB on an H200 (docs/PERFORMANCE.md): accepted. Batch 12 plans well above
+    the usable memory: refused by default, with the way out named; printed with --skip-fit-check."""
+    r = run_cli("launch", "deepseek3-proxy-h200-1gpu", "--slurm", "--nodes", "1", timeout=120)
     assert r.returncode == 0, r.stderr
     assert _sbatch_directives(r.stdout)["gpus-per-node"] == "1"
+    big = ("deepseek3-proxy-h200-1gpu", "--slurm", "--nodes", "1", "per_device_batch_size=12")
+    refused = run_cli("launch", *big, timeout=120)
+    assert refused.returncode == 2 and "--skip-fit-check" in refused.stderr
+    assert run_cli("launch", *big, "--skip-fit-check", timeout=120).returncode == 0
 
 
 def test_layout_mismatch_and_incomplete_env_are_user_errors():

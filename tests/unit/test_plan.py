@@ -73,17 +73,21 @@ def test_memory_falls_with_more_gpus_and_dedup_cuts_all_to_all() -> None:
 
 
 def test_unrolled_layers_count_gradients_only_beyond_the_activations() -> None:
-    """Scanned, the stacked gradients sit next to the saved activations; unrolled, the peak comes before any
-    gradient exists. Same model and batch: the unrolled plan is the scanned one less the gradients."""
+    """Scanned, the stacked gradients and a sliced copy of the layer's weights sit next to the saved activations,
+    the working set and the logits; unrolled, the peak comes before any gradient exists and the logits are
+    freed before the first layer's backward. Same model and batch: unrolled plans less than scanned without
+    its gradients."""
     one = "deepseek3-proxy-h200-1gpu"
     unrolled, scanned = (estimate(cli.resolve(one, [f"scan_layers={s}"])).memory for s in ("false", "true"))
     assert scanned.device["gradients"] > 0 and "gradients" not in unrolled.device
+    assert scanned.device[memory.WEIGHT_COPIES] > 0 and unrolled.device[memory.WEIGHT_COPIES] == 0
     assert unrolled.device[memory.UNROLLED_GRADIENTS] == 0.0  # 7.6B parameters' gradients < the activations
-    assert unrolled.device_total == pytest.approx(scanned.device_total - scanned.device["gradients"])
+    assert unrolled.device_total < scanned.device_total - scanned.device["gradients"]
     # Where the gradients outgrow the activations (a short sequence, batch 1) they count beyond them.
     tiny = estimate(cli.resolve(one, ["scan_layers=false", "per_device_batch_size=1", "max_target_length=64"])).memory
-    acts = sum(v for k, v in tiny.device.items() if k.startswith(("saved", "layer working", "logits")))
-    assert tiny.device[memory.UNROLLED_GRADIENTS] == pytest.approx(tiny.device["parameters"] - acts)
+    assert tiny.device[memory.UNROLLED_GRADIENTS] > 0
+    state = tiny.device["parameters"] + tiny.device["optimizer state (AdamW mu, nu)"]
+    assert tiny.device_total >= 2 * tiny.device["parameters"] + tiny.device["optimizer state (AdamW mu, nu)"] > state
 
 
 def test_ep_time_counts_the_bytes_the_recipes_block_sends() -> None:

@@ -1,0 +1,115 @@
+"""The planner's memory per GPU against every proxy run's measured peak (docs/results/proxy_*.json).
+
+`maxtext-moe launch` refuses a recipe the planner says does not fit, so a planner that is high refuses
+recipes that run, and one that is low lets a recipe run out of memory. Each result file written by
+`maxtext-moe bench` records the recipe, the MaxText keys it ran with and its `moe` section; this test
+plans the same recipe with those keys as overrides, as a user would, and compares.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from maxtext_moe import cli
+from maxtext_moe.plan.estimate import estimate
+from maxtext_moe.recipe import maxtext_keys
+
+GIB = 2**30
+RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
+TOLERANCE = 0.10
+# Run bookkeeping that does not change the compiled step.
+NOT_PLANNED = {
+    "base_output_directory",
+    "run_name",
+    "steps",
+    "learning_rate_schedule_steps",
+    "enable_autocheckpoint",
+    "enable_tensorboard",
+    "enable_checkpointing",
+    "save_checkpoint_on_completion",
+    "profiler",
+    "profiler_steps",
+    "skip_first_n_steps_for_profiler",
+}
+# Attention kernels the planner does not model: TE's fused attention under full remat holds about 28 GiB
+# more than cuDNN through JAX at the same batch (proxy_h200_1gpu_tokamax_cudnnte*.json), from one batch
+# size only, too little to tell a fixed workspace from a per-token term.
+UNMODELLED_ATTENTION = {"cudnn_flash_te"}
+# Runs the planner is known to miss by more than TOLERANCE, with why; the test fails if one comes within it.
+KNOWN_GAPS = {
+    "proxy_h200_2gpu_run5_ep2_maxtext_ragged_decomposed": (
+        "MaxText's routed block under EP holds about 11 GiB more than ours on the same layout (85.4 against "
+        "76.2 GiB): buffers of its permute / ragged all-to-all that carry no remat name. One measurement, at "
+        "EP2 and worst-case buffers; a term fitted to it would scale with EP x top-k and refuse the 671B EP8 recipes."
+    ),
+}
+
+
+def overrides(result: dict) -> list[str]:
+    """The run's MaxText keys and moe section as command-line overrides.
+
+    `settings` holds every key the recipe set when the run was made; a key the recipe has set since
+    (e.g. ragged_buffer_factor) ran at MaxText's default. Results written before `bench` recorded the moe
+    section ran MaxText's own block; a moe field missing from an older record had not been added yet, and
+    those runs behaved as its `recompute`/`auto` value."""
+    settings = dict(result["settings"])
+    recipe = cli.resolve(result["recipe"], [])
+    model_defaults = maxtext_keys.model_defaults(str(settings.get("model_name", "default")))
+    for key in recipe.maxtext.keys() - settings.keys():
+        settings[key] = model_defaults.get(key, maxtext_keys.defaults().get(key))
+    keys = [f"{k}={json.dumps(v)}" for k, v in settings.items() if k not in NOT_PLANNED]
+    moe = result.get("moe") or {"impl": "maxtext"}
+    moe = {"attention_residuals": "recompute", **moe} if moe["impl"] == "ours" else moe
+    return keys + [f"moe.{k}={v}" for k, v in moe.items()]
+
+
+def measured_runs() -> list[tuple[str, dict]]:
+    runs = []
+    for path in sorted(RESULTS.glob("proxy_*.json")):
+        result = json.loads(path.read_text())
+        if result.get("peak_device_memory_gib") is None:
+            continue
+        if result["settings"].get("attention") in UNMODELLED_ATTENTION:
+            continue
+        runs.append((path.stem, result))
+    return runs
+
+
+def planned_gib(result: dict) -> float:
+    return estimate(cli.resolve(result["recipe"], overrides(result))).memory.device_total / GIB
+
+
+def test_every_measured_run_is_collected() -> None:
+    """The table covers one and two GPUs, scanned and unrolled, both remat presets and both MoE blocks."""
+    runs = [r for _, r in measured_runs()]
+    assert len(runs) >= 40
+    assert {r["devices"] for r in runs} == {1, 2}
+    assert {r["settings"]["scan_layers"] for r in runs} == {True, False}
+    assert {r["settings"]["remat_policy"] for r in runs} >= {"full", "minimal", "minimal_offloaded"}
+    assert {(r.get("moe") or {"impl": "maxtext"})["impl"] for r in runs} == {"ours", "maxtext"}
+
+
+def test_planned_memory_within_tolerance_of_measured_peak() -> None:
+    rows, worst, closed = [], 0.0, []
+    for name, result in measured_runs():
+        measured = result["peak_device_memory_gib"]
+        planned = planned_gib(result)
+        error = (planned - measured) / measured
+        if name in KNOWN_GAPS:
+            closed += [name] if abs(error) <= TOLERANCE else []
+        else:
+            worst = max(worst, abs(error))
+        gap = " (known gap)" if name in KNOWN_GAPS else ""
+        rows.append(f"{name:60s} measured {measured:6.1f}  planned {planned:6.1f}  {error:+6.1%}{gap}")
+    table = "\n".join(rows)
+    assert worst <= TOLERANCE, f"worst |planned - measured| / measured {worst:.1%} > {TOLERANCE:.0%}:\n{table}"
+    assert not closed, f"now within {TOLERANCE:.0%}, remove from KNOWN_GAPS: {closed}\n{table}"
+
+
+@pytest.mark.parametrize("recipe", ["deepseek3-proxy-h200-1gpu", "deepseek3-proxy-h200-2gpu"])
+def test_shipped_proxy_recipes_fit(recipe: str) -> None:
+    """The recipes measured to run must be accepted by `launch`."""
+    assert estimate(cli.resolve(recipe, [])).fits
