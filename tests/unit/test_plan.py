@@ -66,7 +66,7 @@ def test_published_gb200_recipe_fits_and_reports_consumers() -> None:
 
 def test_memory_falls_with_more_gpus_and_dedup_cuts_all_to_all() -> None:
     r = cli.resolve("deepseek3-671b-h200-128", [])
-    small, big = estimate(r, gpus=64), estimate(r, gpus=256)
+    small, big = estimate(r, gpus=32), estimate(r, gpus=128)
     assert big.memory.device["parameters"] == pytest.approx(small.memory.device["parameters"] / 4)
     assert not small.fits
     assert 0 < big.a2a["per_rank_dedup"] < big.a2a["per_expert"]
@@ -111,9 +111,7 @@ def test_ep_time_counts_the_bytes_the_recipes_block_sends() -> None:
     assert a2a["per_rank_dedup"] <= a2a["dense_blocks"] < 1.01 * a2a["per_rank_dedup"]
     # EP8: a token reaches about 5.3 of 8 ranks (4.6 rows cross), the blocks send 7 rows: as many as
     # once per expert (8 copies, 7 of 8 crossing).
-    eight = estimate(
-        cli.resolve("deepseek3-671b-h200-128", ["moe.impl=ours", "moe.gemm=tokamax", "te_moe_block=false"])
-    ).a2a
+    eight = estimate(cli.resolve("deepseek3-671b-h200-128", [])).a2a
     assert eight["dense_blocks"] == pytest.approx(eight["per_expert"])
     assert eight["dense_blocks"] == pytest.approx(
         7 / (8 * (1 - comb(224, 8) / comb(256, 8)) * 7 / 8) * eight["per_rank_dedup"]
