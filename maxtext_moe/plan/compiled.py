@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -48,6 +49,7 @@ CPU_SWITCHES = (
     "moe.attention_residuals=recompute",
     "attention=dot_product",
     "te_moe_block=false",
+    "prefuse_moe_weights=false",
     "use_tokamax_gmm=false",
     "quantization=''",
 )
@@ -156,15 +158,21 @@ def compile_in_subprocess(compiled: ResolvedRecipe, route: Route, timeout_s: int
             fix=f"compile a smaller layout, or on a machine with an NVIDIA GPU; the log is {log}.",
         ) from None
     if proc.returncode != 0:
-        lines = [ln for ln in log.read_text(encoding="utf-8", errors="replace").splitlines() if ln.strip()]
         raise UserError(
-            f"compiling {compiled.name}'s training step failed: {lines[-1] if lines else f'exit {proc.returncode}'}",
+            f"compiling {compiled.name}'s training step failed: {_last_error(log) or f'exit {proc.returncode}'}",
             key="--compile",
             fix=f"the full log is {log}.",
         )
     result = json.loads((work / "result.json").read_text(encoding="utf-8"))
     shutil.rmtree(work, ignore_errors=True)
     return result
+
+
+def _last_error(log: Path) -> str:
+    """The exception a failed compile ended with (its type and message), else the log's last line."""
+    lines = [ln.strip() for ln in log.read_text(encoding="utf-8", errors="replace").splitlines() if ln.strip()]
+    errors = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception|Exhausted)\b:", ln)]
+    return (errors or lines or [""])[-1].removeprefix("maxtext_moe.errors.UserError: ")
 
 
 def device_total(mem: dict[str, int], prefix: str = "") -> int:
