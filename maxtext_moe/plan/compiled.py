@@ -177,8 +177,8 @@ def _last_error(log: Path) -> str:
 
 def device_total(mem: dict[str, int], prefix: str = "") -> int:
     """What one device must hold for the step: arguments + outputs + temporaries - donated (aliased), + code."""
-    get = lambda k: mem.get(prefix + k, 0)  # noqa: E731
-    return get("argument_size") + get("output_size") + get("temp_size") - get("alias_size") + get("generated_code_size")
+    plus = ("argument_size", "output_size", "temp_size", "generated_code_size")
+    return sum(mem.get(prefix + k, 0) for k in plus) - mem.get(prefix + "alias_size", 0)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@
 # JSON and logs: $OUT/plan_compile/ (packed again after every recipe, so a call stopped at its limit still
 # brings back what finished); a table of compiled vs planned memory comes last.
 # Usage there: bash scripts/device/plan_compile_h200.sh [recipes/NAME.yml ...]  (default: the proxies, then every
-# 671B recipe; on XLA:CPU the 671B H200-128 compile took 92 s, so name a few per call to stay inside one call)
+# 671B recipe; a 671B compile can take minutes: name a few per call to stay inside one call's limit)
 set -uo pipefail
 source scripts/device/common.sh
 PLAN_TIMEOUT=${PLAN_TIMEOUT:-150}
