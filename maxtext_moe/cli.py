@@ -154,6 +154,18 @@ def cmd_plan(a: argparse.Namespace) -> int:
     from maxtext_moe import plan
 
     resolved = resolve(a.recipe, a.overrides)
+    if a.compile:
+        if a.search or a.gpus or a.gpu_type:
+            raise UserError(
+                "--compile compiles the recipe's own topology; it does not take --search, --gpus or --gpu-type.",
+                key="--compile",
+                fix="set the layout with overrides instead, e.g. topology.nodes=16.",
+            )
+        from maxtext_moe.plan import compiled
+
+        fit = compiled.run(a.recipe, a.overrides, resolved)
+        print(json.dumps(fit.to_json(), indent=2) if a.json else fit.render())
+        return 0
     if a.search:
         ranked = plan.search.rank(resolved, gpus=a.gpus, gpu_type=a.gpu_type)
         print(json.dumps([p.to_json() for p in ranked], indent=2) if a.json else plan.search.render(ranked))
@@ -195,6 +207,12 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--gpus", type=int, help="plan for this many GPUs (FSDP absorbs the change)")
     pl.add_argument("--gpu-type", help="plan for this hardware profile (h100, h200, gb200, gb300)")
     pl.add_argument("--search", action="store_true", help="rank layouts (FSDP x EP x PP, batch, remat) that fit")
+    pl.add_argument(
+        "--compile",
+        action="store_true",
+        help="also compile the real training step for the full device count (mock GPU topology, or XLA:CPU "
+        "devices without a GPU) and set XLA's per-device memory beside the plan",
+    )
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     pl.set_defaults(func=cmd_plan)
 

@@ -10,6 +10,8 @@ Each module names the gap it fills. `SYMBOLS` lists what they touch, so that one
 - `maxtext_config`: `pyconfig._initialize_pydantic`, MaxText's config model without its `sys.exit`.
 - `maxtext_errors`: unwraps the error `max_utils.transformer_engine_context` turns into a re-yield.
 - `te`: TE's `_v2_grouped_gemm_available` flag (grouped-GEMM path) and its JAX bindings.
+- `aot`: `train_compile.get_shaped_inputs` and `jit_and_compile`, the step and its shardings, and MaxText's
+  `create_device_mesh`, to compile the training step for devices that are not here (JAX's mock GPU topology).
 - `jax_coordination`: `jax._src.distributed.global_state.client`, the key-value store of a multi-process run.
 """
 
@@ -30,7 +32,16 @@ SYMBOLS: tuple[tuple[str, str, str], ...] = (
     ("maxtext", "maxtext.configs.pyconfig", "_initialize_pydantic"),
     ("maxtext", "maxtext.utils.max_utils", "transformer_engine_context"),
     ("maxtext", "maxtext.trainers.pre_train.train", "main"),
+    ("maxtext", "maxtext.trainers.pre_train.train", "train_step"),
+    ("maxtext", "maxtext.trainers.pre_train.train_compile", "get_shaped_inputs"),
+    ("maxtext", "maxtext.trainers.pre_train.train_compile", "jit_and_compile"),
+    ("maxtext", "maxtext.utils.maxtext_utils", "create_device_mesh"),
+    ("maxtext", "maxtext.utils.maxtext_utils", "get_functional_train_with_signature"),
+    ("maxtext", "maxtext.utils.sharding", "maybe_update_params_sharding_with_opt"),
+    ("maxtext", "maxtext.utils.sharding", "build_zero1_input_state_mesh_shardings"),
+    ("maxtext", "maxtext.utils.sharding", "get_input_data_sharding"),
     ("jax", "jax._src.distributed", "global_state.client"),
+    ("jax", "jax._src.xla_bridge", "MOCK_GPU_TOPOLOGY"),
     ("transformer-engine-jax", "transformer_engine.jax.cpp_extensions.gemm", "_v2_grouped_gemm_available"),
     ("transformer-engine-jax", "transformer_engine.jax.dense", "grouped_dense"),
     ("transformer-engine-jax", "transformer_engine.jax.quantize", "QuantizerFactory.create_set"),

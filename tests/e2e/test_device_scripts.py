@@ -22,6 +22,8 @@ case "$*" in
   *" bench "*) echo "start $(date +%s.%N) $*" >> "$CALLS.times"; sleep 1
                echo "end $(date +%s.%N) $*" >> "$CALLS.times"
                echo "step time            median 0.459 s (min 0.451, max 0.483)";;
+  *" plan "*2gpu-fsdp*) echo "maxtext-moe: error: boom" >&2; exit 2;;
+  *" plan "*) echo '{"route": "gpu"}';;
 esac
 exit 0
 """
@@ -91,3 +93,20 @@ def test_two_gpu_runs_start_one_process_per_gpu_or_one_for_both(tmp_path: Path) 
     assert {"two.p0.log", "two.p1.log", "one.p0.log", "dispatch_gpu.log", "ep_dispatch_te_f-1.p0.log"} <= packed(
         archive
     )
+
+
+def test_plan_compile_runs_every_recipe_under_a_limit_past_failures_then_the_table(tmp_path: Path) -> None:
+    proc, calls, archive = run_script(tmp_path, "plan_compile_h200.sh")
+    assert proc.returncode == 0, proc.stderr
+    plans = [c for c in calls if " plan " in c]
+    want = sorted(p.stem for p in REPO.glob("recipes/deepseek3-*.yml") if "tiny" not in p.stem)
+    assert sorted(c.split(" plan ")[1].split()[0] for c in plans) == want
+    assert all(c.endswith("--compile --json") for c in plans)
+    assert plans[0].split(" plan ")[1].startswith("deepseek3-proxy")  # the quick ones first
+    assert calls[-1].endswith(f"scripts/device/plan_compile_table.py {tmp_path / 'out' / 'plan_compile'}")
+    results = tmp_path / "out" / "plan_compile"
+    assert sorted(p.stem for p in results.glob("*.json")) == [n for n in want if not n.endswith("2gpu-fsdp")]
+    status = (results / "status.txt").read_text()
+    assert "deepseek3-proxy-h200-2gpu-fsdp: rc=2" in status and status.count("rc=0") == len(want) - 1
+    assert "maxtext-moe: error: boom" in proc.stdout
+    assert {"deepseek3-671b-h200-128.json", "deepseek3-proxy-h200-2gpu-fsdp.log"} <= packed(archive)

@@ -1,0 +1,252 @@
+"""`plan RECIPE --compile`: the planner's per-GPU memory beside XLA's own, from compiling the real training step.
+
+The analytical plan (`memory`) is arithmetic; XLA's buffer assignment is what a run gets. This compiles
+the step MaxText trains for the recipe's full device count without those devices (`upstream.aot`, in a
+subprocess that gets the recipe's environment before jax starts) and sets `compiled.memory_analysis()`
+beside the plan. Two routes, chosen by what this machine has:
+
+- `gpu`: JAX's mock GPU topology over this machine's NVIDIA GPUs (XLA's GPU compiler, the recipe as is).
+  Sharded autotuning is switched off: a sharded compile under the mock topology waits for peers that
+  do not exist.
+- `cpu`: N XLA:CPU host devices, with the recipe's hardware switched to what compiles there (our MoE
+  block on `ragged_dot`, `dot_product` attention, no TE, no FP8). Its buffers are the CPU compiler's: how
+  far they sit from a GPU compile's is unknown until the two are measured on the same recipe.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from maxtext_moe.errors import UserError
+from maxtext_moe.plan import layout, memory
+from maxtext_moe.plan.model import Model
+from maxtext_moe.recipe import composition, maxtext_keys, validate, xla_flags
+from maxtext_moe.recipe.resolved import ResolvedRecipe
+
+GIB = 2**30
+# XLA:CPU compiles one SPMD program whatever N is, but its partitioner and collective passes grow with the
+# device count; beyond this many host devices the compile is refused rather than left to run for hours.
+MAX_CPU_DEVICES = 256
+COMPILE_TIMEOUT_S = 1800
+# What XLA:GPU needs under the mock topology; see the module docstring.
+MOCK_GPU_FLAGS = "--xla_gpu_shard_autotuning=false"
+# The switches that make a GPU recipe compile on XLA:CPU (see the module docstring).
+CPU_SWITCHES = (
+    "topology.hardware=cpu",
+    "moe.impl=ours",
+    "moe.gemm=ragged_dot",
+    "moe.fp8=none",
+    "moe.attention_residuals=recompute",
+    "attention=dot_product",
+    "te_moe_block=false",
+    "prefuse_moe_weights=false",
+    "use_tokamax_gmm=false",
+    "quantization=''",
+)
+
+
+@dataclass(frozen=True)
+class Route:
+    name: str  # "gpu" or "cpu"
+    description: str
+    overrides: tuple[str, ...]  # added to the user's before the recipe is resolved for the compile
+    env: dict[str, str]
+    mock_gpu_topology: str | None
+
+
+def local_gpus() -> int:
+    """NVIDIA GPUs on this machine (0 without a driver), counted without starting jax in this process."""
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60, check=True).stdout
+    except (subprocess.SubprocessError, OSError):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+def choose_route(r: ResolvedRecipe, gpus_here: int) -> Route:
+    """The mock GPU topology where this machine has GPUs and the recipe is for GPUs, else XLA:CPU devices."""
+    n = r.topology.num_devices
+    if gpus_here and r.topology.profile.maxtext_hardware == "gpu":
+        if n % gpus_here:
+            raise UserError(
+                f"the recipe's {n} GPUs are not a whole number of hosts of this machine's {gpus_here} GPU(s): "
+                "the mock topology repeats this machine's GPUs per host.",
+                key="topology",
+                fix=f"compile on a machine whose GPU count divides {n}, or without GPUs (CUDA_VISIBLE_DEVICES='').",
+            )
+        topo = f"1x{n // gpus_here}x{gpus_here}"
+        flags = " ".join([r.env.get("XLA_FLAGS", os.environ.get("XLA_FLAGS", "")), MOCK_GPU_FLAGS]).strip()
+        return Route(
+            "gpu",
+            f"XLA:GPU on a mock topology {topo} ({n} devices, {n // gpus_here} processes) of this machine's GPU kind; "
+            "nothing executed",
+            (),
+            {"XLA_FLAGS": flags},
+            topo,
+        )
+    if n > MAX_CPU_DEVICES:
+        raise UserError(
+            f"compiling for {n} devices on the CPU is refused here (at most {MAX_CPU_DEVICES} XLA:CPU devices; "
+            "no NVIDIA GPU was found for the mock GPU topology).",
+            key="--compile",
+            fix="run it on a machine with an NVIDIA GPU, or compile a smaller layout of the recipe "
+            "(e.g. topology.nodes=... overrides).",
+        )
+    switches = () if r.topology.profile.maxtext_hardware == "cpu" else CPU_SWITCHES
+    return Route(
+        "cpu",
+        f"XLA:CPU with {n} host devices"
+        + (
+            ", the recipe switched to CPU kernels (our block on ragged_dot, dot_product attention, no TE/FP8)"
+            if switches
+            else ""
+        )
+        + "; its bias against a GPU compile is unknown until measured",
+        (*switches, "topology.nodes=1", f"topology.gpus_per_node={n}"),
+        {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"},
+        None,
+    )
+
+
+def _env(compiled: ResolvedRecipe, route: Route) -> dict[str, str]:
+    env = dict(os.environ, **compiled.env)
+    env.setdefault("MAXTEXT_ASSETS_ROOT", str(maxtext_keys.assets_dir()))
+    env.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    if route.name == "cpu":
+        flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+        env["XLA_FLAGS"] = " ".join([*flags, route.env["XLA_FLAGS"]])
+        env["JAX_PLATFORMS"] = "cpu"
+    else:
+        env.update(route.env)
+        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # nothing runs: leave the GPU's memory alone
+    return env
+
+
+def compile_in_subprocess(compiled: ResolvedRecipe, route: Route, timeout_s: int = COMPILE_TIMEOUT_S) -> dict:
+    """Run `upstream.aot` on `compiled` in a fresh Python; its log stays in a temporary folder on failure."""
+    xla_flags.check(compiled)
+    work = Path(tempfile.mkdtemp(prefix="maxtext-moe-compile-"))
+    request = {
+        "maxtext": compiled.maxtext,
+        "sources": compiled.sources,
+        "moe": compiled.moe,
+        "num_devices": compiled.topology.num_devices,
+        "mock_gpu_topology": route.mock_gpu_topology,
+    }
+    (work / "request.json").write_text(json.dumps(request, default=str), encoding="utf-8")
+    log = work / "compile.log"
+    cmd = [sys.executable, "-m", "maxtext_moe.upstream.aot", str(work / "request.json"), str(work / "result.json")]
+    try:
+        with log.open("w", encoding="utf-8") as f:
+            proc = subprocess.run(cmd, env=_env(compiled, route), stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise UserError(
+            f"compiling {compiled.name} for {compiled.topology.num_devices} devices took over {timeout_s} s.",
+            key="--compile",
+            fix=f"compile a smaller layout, or on a machine with an NVIDIA GPU; the log is {log}.",
+        ) from None
+    if proc.returncode != 0:
+        raise UserError(
+            f"compiling {compiled.name}'s training step failed: {_last_error(log) or f'exit {proc.returncode}'}",
+            key="--compile",
+            fix=f"the full log is {log}.",
+        )
+    result = json.loads((work / "result.json").read_text(encoding="utf-8"))
+    shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+def _last_error(log: Path) -> str:
+    """The exception a failed compile ended with (its type and message), else the log's last line."""
+    lines = [ln.strip() for ln in log.read_text(encoding="utf-8", errors="replace").splitlines() if ln.strip()]
+    errors = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception|Exhausted)\b:", ln)]
+    return (errors or lines or [""])[-1].removeprefix("maxtext_moe.errors.UserError: ")
+
+
+def device_total(mem: dict[str, int], prefix: str = "") -> int:
+    """What one device must hold for the step: arguments + outputs + temporaries - donated (aliased), + code."""
+    plus = ("argument_size", "output_size", "temp_size", "generated_code_size")
+    return sum(mem.get(prefix + k, 0) for k in plus) - mem.get(prefix + "alias_size", 0)
+
+
+@dataclass(frozen=True)
+class CompiledPlan:
+    recipe: str
+    route: Route
+    planned: memory.Memory
+    planned_layout: str
+    result: dict[str, Any]
+
+    @property
+    def compiled_total(self) -> int:
+        return device_total(self.result["memory"])
+
+    @property
+    def planned_state(self) -> float:
+        """Parameters and AdamW state the plan puts on one device: the step's state argument."""
+        return sum(v for k, v in self.planned.device.items() if k.startswith(("parameters", "optimizer state")))
+
+    def to_json(self) -> dict[str, Any]:
+        mem = self.result["memory"]
+        return {
+            "recipe": self.recipe,
+            "route": self.route.name,
+            "route_description": self.route.description,
+            "compiled_with_overrides": list(self.route.overrides),
+            "compiled": dict(
+                self.result, device_total_bytes=self.compiled_total, host_total_bytes=device_total(mem, "host_")
+            ),
+            "planned": {
+                "layout": self.planned_layout,
+                "memory_per_gpu_bytes": self.planned.device_total,
+                "memory_breakdown_bytes": self.planned.device,
+                "host_memory_per_gpu_bytes": self.planned.host_total,
+                "state_bytes": self.planned_state,
+            },
+            "compiled_over_planned": self.compiled_total / self.planned.device_total,
+            "state_compiled_over_planned": self.result["state_bytes"] / self.planned_state,
+        }
+
+    def render(self) -> str:
+        mem, res = self.result["memory"], self.result
+        names = ("argument_size", "output_size", "temp_size", "alias_size", "generated_code_size")
+        parts = ", ".join(f"{n.removesuffix('_size').replace('_', ' ')} {mem.get(n, 0) / GIB:.2f}" for n in names)
+        host = device_total(mem, "host_")
+        mesh = " x ".join(f"{k} {v}" for k, v in res["mesh"].items() if v > 1) or "one device"
+        lines = [
+            f"plan {self.recipe} --compile: {self.route.description}",
+            f"  compiled in {res['compile_s']:.0f} s for {res['devices']} {res['device_kind']} devices "
+            f"({res['processes']} process(es)), mesh {mesh}",
+            f"  XLA memory per device (GiB): {parts}; total {self.compiled_total / GIB:.2f} GiB",
+            f"  planned per GPU: {self.planned.device_total / GIB:.2f} GiB ({self.planned_layout}) "
+            f"-> compiled/planned {self.compiled_total / self.planned.device_total:.2f}",
+            f"  state (parameters + optimizer): compiled {res['state_bytes'] / GIB:.3f} GiB, planned "
+            f"{self.planned_state / GIB:.3f} GiB -> {res['state_bytes'] / self.planned_state:.3f}",
+        ]
+        if host or self.planned.host_total:
+            lines.append(
+                f"  host (offloaded) per device: compiled {host / GIB:.2f} GiB, planned "
+                f"{self.planned.host_total / GIB:.2f} GiB"
+            )
+        return "\n".join(lines)
+
+
+def run(ref: str, overrides: Sequence[str], r: ResolvedRecipe, *, gpus_here: int | None = None) -> CompiledPlan:
+    """Compile `ref` with `overrides` (already resolved as `r`) and set it beside `r`'s analytical memory."""
+    route = choose_route(r, local_gpus() if gpus_here is None else gpus_here)
+    compiled = validate.resolve(composition.compose(ref, [*overrides, *route.overrides]))
+    lay = layout.from_recipe(r)
+    result = compile_in_subprocess(compiled, route)
+    return CompiledPlan(r.name, route, memory.per_gpu(Model.from_recipe(r), lay), lay.describe(), result)

@@ -1,0 +1,133 @@
+"""Compile MaxText's training step for a device count this machine does not have, and read XLA's memory.
+
+Run as `python -m maxtext_moe.upstream.aot REQUEST.json RESULT.json` in a process whose environment
+(XLA_FLAGS, JAX_PLATFORMS, ...) was set before start: `plan.compiled` builds both. Nothing executes on a
+device; the step is only lowered and compiled from abstract shapes.
+
+What is MaxText's own (maxtext 0.2.5, `maxtext.trainers.pre_train.train_compile`): `get_shaped_inputs`
+(the abstract train state, batch and their shardings), `jit_and_compile`, and the step itself with
+its shardings (`maxtext_utils.get_functional_train_with_signature`, ZeRO-1 sharding updates), called in
+the order its `main` calls them.
+
+The gaps, filled here: its `get_topology_mesh` either asks for a TPU topology or, for GPUs, sets
+`mock_num_gpu_processes` from `compile_topology_num_slices` and looks `compile_topology` up in a table
+of TPU/A3-style systems with 8 GPUs per host. We instead turn on JAX's `jax_mock_gpu_topology`
+("slices x hosts x GPUs per host", GPUs per host = this machine's real count) before the first device
+use, or, without a GPU, run on N XLA:CPU host devices; then build the mesh from `jax.devices()` with
+MaxText's `create_device_mesh`, as `get_topology_mesh` does after choosing its devices.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+from contextlib import redirect_stdout
+from pathlib import Path
+from typing import Any
+
+
+def _mesh(config: Any) -> Any:
+    """`train_compile.get_topology_mesh` after its device choice: MaxText's mesh over `jax.devices()`."""
+    import jax
+    from jax.sharding import AxisType, Mesh
+    from maxtext.common.common_types import ShardMode
+    from maxtext.utils import maxtext_utils
+
+    jax.config.update("jax_remove_size_one_mesh_axis_from_type", config.remove_size_one_mesh_axis_from_type)
+    devices = maxtext_utils.create_device_mesh(config, jax.devices())
+    kind = AxisType.Explicit if config.shard_mode == ShardMode.EXPLICIT else AxisType.Auto
+    return Mesh(devices, config.mesh_axes, axis_types=(kind,) * len(config.mesh_axes))
+
+
+def _shard_bytes(tree: Any, shardings: Any) -> int:
+    """Bytes one device holds of an abstract tree under its shardings (the largest shard of each leaf)."""
+    import jax
+    import numpy as np
+
+    total = 0
+    for leaf, sharding in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings), strict=True):
+        shape = sharding.shard_shape(leaf.shape) if hasattr(sharding, "shard_shape") else leaf.shape
+        total += int(np.prod(shape, dtype=np.int64)) * leaf.dtype.itemsize
+    return total
+
+
+def memory_fields(analysis: Any) -> dict[str, int]:
+    """Every byte count XLA's `CompiledMemoryStats` has in this jaxlib (host/offloaded ones included)."""
+    return {
+        name.removesuffix("_in_bytes"): int(getattr(analysis, name))
+        for name in sorted(dir(analysis))
+        if name.endswith("_in_bytes") and isinstance(getattr(analysis, name), int)
+    }
+
+
+def compile_step(request: dict[str, Any]) -> dict[str, Any]:
+    """Lower and compile the training step that `train` would run for `request`; return XLA's figures."""
+    import time
+
+    import jax
+
+    if request.get("mock_gpu_topology"):
+        jax.config.update("jax_mock_gpu_topology", request["mock_gpu_topology"])
+    chatter = io.StringIO()
+    with redirect_stdout(chatter):
+        from flax.core.spmd import logical_axis_rules
+        from maxtext.trainers.pre_train import train, train_compile
+        from maxtext.utils import maxtext_utils, sharding
+
+        from maxtext_moe.upstream import maxtext_config, remat
+
+        if request["moe"].get("impl") == "ours":
+            from maxtext_moe.upstream import deepseek_layer
+
+            deepseek_layer.install(request["moe"])
+            if request["moe"].get("attention_residuals") == "save":
+                remat.install()
+        config = maxtext_config.check(request["maxtext"], request["sources"])
+        if len(jax.devices()) != request["num_devices"]:
+            raise RuntimeError(f"{len(jax.devices())} devices visible, {request['num_devices']} requested")
+        mesh = _mesh(config)
+        args, kwargs, state_shardings, _, model = train_compile.get_shaped_inputs(mesh, config)
+        params_shardings, state_shardings = sharding.maybe_update_params_sharding_with_opt(config, state_shardings)
+        input_shardings = sharding.build_zero1_input_state_mesh_shardings(config, state_shardings, params_shardings)
+        data_sharding = sharding.get_input_data_sharding(config, mesh)
+        func, in_shard, out_shard, static, donate = maxtext_utils.get_functional_train_with_signature(
+            train.train_step, data_sharding, input_shardings, model, config, params_shardings
+        )
+        start = time.monotonic()
+        compiled = train_compile.jit_and_compile(
+            func,
+            args,
+            kwargs,
+            mesh,
+            in_shard,
+            out_shard,
+            static,
+            donate,
+            config,
+            logical_axis_rules(config.logical_axis_rules),
+        )
+        seconds = time.monotonic() - start
+    devices = jax.devices()
+    return {
+        "memory": memory_fields(compiled.memory_analysis()),
+        "state_bytes": _shard_bytes(args[0], input_shardings),
+        "batch_bytes": _shard_bytes(args[1], jax.tree.map(lambda _: data_sharding, args[1])),
+        "compile_s": seconds,
+        "devices": len(devices),
+        "processes": jax.process_count(),
+        "platform": devices[0].platform,
+        "device_kind": devices[0].device_kind,
+        "mesh": {str(k): int(v) for k, v in mesh.shape.items()},
+        "num_slices": int(config.num_slices),
+    }
+
+
+def main(argv: list[str]) -> int:
+    request = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
+    Path(argv[1]).write_text(json.dumps(compile_step(request), indent=2), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

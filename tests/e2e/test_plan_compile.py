@@ -1,0 +1,65 @@
+"""`plan --compile` end to end: MaxText's real training step compiled in a subprocess on XLA:CPU devices,
+its memory set beside the analytical plan. The state check ties the two: the step's state argument
+(parameters, AdamW mu and nu, a step counter) must be what the planner counts as parameters plus
+optimizer state on one device, so a wrong sharding or dtype on either side fails it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import run_cli
+
+# The compiled arguments also hold the batch (token ids, positions, segments) and the optimizer's step
+# count, which the planner's state leaves out: a few KiB on these layouts.
+STATE_TOLERANCE = 0.02
+
+
+def compile_json(*args: str) -> dict:
+    r = run_cli("plan", *args, "--compile", "--json", timeout=300)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def check_state(data: dict) -> None:
+    mem, planned = data["compiled"]["memory"], data["planned"]
+    assert mem["argument_size"] > 0 and mem["temp_size"] > 0
+    assert abs(mem["argument_size"] / planned["state_bytes"] - 1) < STATE_TOLERANCE
+    assert abs(data["state_compiled_over_planned"] - 1) < STATE_TOLERANCE
+    assert data["compiled_over_planned"] == pytest.approx(
+        data["compiled"]["device_total_bytes"] / planned["memory_per_gpu_bytes"]
+    )
+
+
+def test_tiny_recipe_on_four_cpu_devices_matches_the_planned_state() -> None:
+    data = compile_json("deepseek3-tiny-cpu", "topology.gpus_per_node=4", "ici_fsdp_parallelism=-1")
+    assert data["route"] == "cpu" and "bias against a GPU compile is unknown" in data["route_description"]
+    res = data["compiled"]
+    assert (res["devices"], res["platform"], res["mesh"]["fsdp"]) == (4, "cpu", 4)
+    assert data["planned"]["layout"].startswith("FSDP4 on 4 cpu")
+    check_state(data)
+
+
+@pytest.mark.slow
+def test_one_device_holds_four_times_the_fsdp4_state_and_text_names_the_route() -> None:
+    four = compile_json("deepseek3-tiny-cpu", "topology.gpus_per_node=4", "ici_fsdp_parallelism=-1")
+    one = compile_json("deepseek3-tiny-cpu")
+    check_state(one)
+    assert one["compiled"]["state_bytes"] / four["compiled"]["state_bytes"] == pytest.approx(4, rel=0.01)
+    r = run_cli("plan", "deepseek3-tiny-cpu", "--compile", timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "XLA:CPU with 1 host devices" in r.stdout and "compiled/planned" in r.stdout
+
+
+@pytest.mark.slow
+def test_two_gpu_proxy_compiles_on_cpu_with_its_gpu_plan_beside_it() -> None:
+    data = compile_json("deepseek3-proxy-h200-2gpu")
+    assert data["route"] == "cpu" and "moe.gemm=ragged_dot" in data["compiled_with_overrides"]
+    assert data["compiled"]["mesh"]["expert"] == 2
+    assert data["planned"]["layout"].startswith("EP2 on 2 h200")
+    check_state(data)
+
+
+def test_compile_refuses_search_in_one_line() -> None:
+    r = run_cli("plan", "deepseek3-tiny-cpu", "--compile", "--search")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--compile" in r.stderr

@@ -1,0 +1,37 @@
+"""Which device route `plan --compile` takes, on real resolved recipes (no jax, nothing compiled)."""
+
+from __future__ import annotations
+
+import pytest
+
+from maxtext_moe.cli import resolve
+from maxtext_moe.errors import UserError
+from maxtext_moe.plan import compiled
+
+
+def test_gpu_machine_mocks_one_process_per_gpu_of_the_recipe() -> None:
+    r = resolve("deepseek3-671b-h200-128", [])
+    route = compiled.choose_route(r, gpus_here=1)
+    assert route.name == "gpu" and route.mock_gpu_topology == "1x128x1" and route.overrides == ()
+    assert route.env["XLA_FLAGS"].endswith(compiled.MOCK_GPU_FLAGS)
+    assert compiled.choose_route(r, gpus_here=8).mock_gpu_topology == "1x16x8"
+    with pytest.raises(UserError, match="whole number of hosts"):
+        compiled.choose_route(r, gpus_here=3)
+
+
+def test_without_a_gpu_the_recipe_is_switched_to_cpu_kernels_and_large_counts_refused() -> None:
+    route = compiled.choose_route(resolve("deepseek3-proxy-h200-2gpu", []), gpus_here=0)
+    assert route.name == "cpu" and route.mock_gpu_topology is None
+    assert {"topology.hardware=cpu", "moe.gemm=ragged_dot", "topology.gpus_per_node=2"} <= set(route.overrides)
+    assert route.env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
+    tiny = compiled.choose_route(resolve("deepseek3-tiny-cpu", []), gpus_here=1)  # a CPU recipe stays on the CPU
+    assert tiny.name == "cpu" and "moe.impl=ours" not in tiny.overrides
+    with pytest.raises(UserError, match="refused") as e:
+        compiled.choose_route(resolve("deepseek3-671b-gb300-1024", []), gpus_here=0)
+    assert e.value.fix
+
+
+def test_device_total_counts_donated_buffers_once() -> None:
+    mem = {"argument_size": 10, "output_size": 10, "alias_size": 10, "temp_size": 5, "generated_code_size": 1}
+    assert compiled.device_total(mem) == 16
+    assert compiled.device_total({"host_temp_size": 3}, "host_") == 3
