@@ -2,14 +2,14 @@
 # One device call on one H200 (issue 14): `maxtext-moe plan RECIPE --compile --json` for each DeepSeek-V3
 # recipe, every 671B one on JAX's mock GPU topology of its full device count and the proxies, each under
 # its own time limit (PLAN_TIMEOUT seconds, default 150); a failure is logged and the next recipe runs.
-# JSON and logs: $OUT/plan_compile/ (packed again after every recipe, so a call stopped at its limit still
+# JSON and logs: plan_compile/ in $OUT/results.tgz (packed again after every recipe, so a call stopped at its limit still
 # brings back what finished); a table of compiled vs planned memory comes last.
 # Usage there: bash scripts/device/plan_compile_h200.sh [recipes/NAME.yml ...]  (default: the proxies, then every
 # 671B recipe; a 671B compile can take minutes: name a few per call to stay inside one call's limit)
 set -uo pipefail
 source scripts/device/common.sh
 PLAN_TIMEOUT=${PLAN_TIMEOUT:-150}
-R="$OUT/plan_compile"; mkdir -p "$R"
+R="$W/plan_compile"; mkdir -p "$R"  # packed into $OUT/results.tgz: a call brings back at most 8 files
 if [ $# -eq 0 ]; then
   set -- recipes/deepseek3-proxy-*.yml recipes/deepseek3-671b-*.yml
 fi

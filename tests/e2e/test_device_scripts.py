@@ -103,8 +103,9 @@ def test_plan_compile_runs_every_recipe_under_a_limit_past_failures_then_the_tab
     assert sorted(c.split(" plan ")[1].split()[0] for c in plans) == want
     assert all(c.endswith("--compile --json") for c in plans)
     assert plans[0].split(" plan ")[1].startswith("deepseek3-proxy")  # the quick ones first
-    assert calls[-1].endswith(f"scripts/device/plan_compile_table.py {tmp_path / 'out' / 'plan_compile'}")
-    results = tmp_path / "out" / "plan_compile"
+    assert calls[-1].endswith(f"scripts/device/plan_compile_table.py {tmp_path / 'results' / 'plan_compile'}")
+    results = tmp_path / "results" / "plan_compile"
+    assert not (tmp_path / "out" / "plan_compile").exists()  # only the archive comes back from a device call
     assert sorted(p.stem for p in results.glob("*.json")) == [n for n in want if not n.endswith("2gpu-fsdp")]
     status = (results / "status.txt").read_text()
     assert "deepseek3-proxy-h200-2gpu-fsdp: rc=2" in status and status.count("rc=0") == len(want) - 1
