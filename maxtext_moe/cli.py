@@ -252,7 +252,7 @@ def parser() -> argparse.ArgumentParser:
     dp.add_argument("sources", nargs="+", metavar="SRC", help="text files (one document each), .jsonl, .parquet")
     dp.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizer.json, or the folder holding it")
     dp.add_argument("--out", required=True, help="the corpus folder (re-run the same command to resume)")
-    dp.add_argument("--shards", type=int, help="number of shard files (default: one per 256 MiB of input)")
+    dp.add_argument("--shards", type=int, help="number of shard files, at most (default: one per 256 MiB of input)")
     dp.add_argument("--workers", type=int, help="tokenizing processes (default: all cores)")
     dp.add_argument("--field", default="text", help="JSONL field / Parquet column with the text (default %(default)s)")
     dp.set_defaults(func=cmd_data_prepare)

@@ -19,7 +19,8 @@ from maxtext_moe.errors import UserError
 
 JSONL = (".jsonl", ".json", ".ndjson")
 PARQUET = (".parquet",)
-JSONL_PIECE = 32 * 2**20  # bytes of JSONL one worker reads at a time
+JSONL_PIECE = 32 * 2**20  # most bytes of JSONL in one piece; less when that balances the shards better
+MIN_PIECE = 4096
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ def scan(inputs: list[Path], field: str) -> list[Source]:
     return [Source(p.resolve(), _kind(p), p.stat().st_size, d) for p, d in zip(files, digests, strict=True)]
 
 
-def _pieces(s: Source) -> list[Piece]:
+def _pieces(s: Source, jsonl_piece: int) -> list[Piece]:
     path = str(s.path)
     if s.kind == "text":
         return [Piece(path, "text", 0, s.size, s.size)]
@@ -109,8 +110,8 @@ def _pieces(s: Source) -> list[Piece]:
         ]
     cuts = [0]
     with s.path.open("rb") as f:
-        while cuts[-1] + JSONL_PIECE < s.size:
-            f.seek(cuts[-1] + JSONL_PIECE)
+        while cuts[-1] + jsonl_piece < s.size:
+            f.seek(cuts[-1] + jsonl_piece)
             f.readline()
             if f.tell() >= s.size:
                 break
@@ -120,8 +121,12 @@ def _pieces(s: Source) -> list[Piece]:
 
 
 def split(found: list[Source], shards: int) -> list[list[Piece]]:
-    """Pieces grouped into at most `shards` contiguous, size-balanced shards (none empty)."""
-    pieces = [p for s in found for p in _pieces(s)]
+    """Pieces grouped into at most `shards` contiguous, size-balanced shards (none empty).
+
+    Fewer shards come out only when the pieces are too few or too uneven: a text file is one piece.
+    """
+    jsonl_piece = min(JSONL_PIECE, max(MIN_PIECE, sum(s.size for s in found) // (4 * shards)))
+    pieces = [p for s in found for p in _pieces(s, jsonl_piece)]
     total = max(sum(p.size for p in pieces), 1)
     groups: list[list[Piece]] = [[] for _ in range(shards)]
     seen = 0
