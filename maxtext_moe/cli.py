@@ -155,9 +155,13 @@ def cmd_plan(a: argparse.Namespace) -> int:
 def cmd_data_prepare(a: argparse.Namespace) -> int:
     from maxtext_moe.data import prepare
 
-    m = prepare.prepare(
-        [Path(p) for p in a.sources], Path(a.tokenizer), Path(a.out), a.shards, a.workers, a.field, log=print
-    )
+    try:
+        m = prepare.prepare(
+            [Path(p) for p in a.sources], Path(a.tokenizer), Path(a.out), a.shards, a.workers, a.field, log=print
+        )
+    except KeyboardInterrupt:
+        print(f"\nmaxtext-moe: interrupted; finished shards are kept in {a.out}, the same command resumes.")
+        return 130
     print(f"{a.out}: {m['documents']:,} documents, {m['tokens']:,} tokens in {m['shards']} shard(s)")
     return 0
 
