@@ -175,6 +175,20 @@ def cmd_plan(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data_prepare(a: argparse.Namespace) -> int:
+    from maxtext_moe.data import prepare
+
+    try:
+        m = prepare.prepare(
+            [Path(p) for p in a.sources], Path(a.tokenizer), Path(a.out), a.shards, a.workers, a.field, log=print
+        )
+    except KeyboardInterrupt:
+        print(f"\nmaxtext-moe: interrupted; finished shards are kept in {a.out}, the same command resumes.")
+        return 130
+    print(f"{a.out}: {m['documents']:,} documents, {m['tokens']:,} tokens in {m['shards']} shard(s)")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="maxtext-moe", description="DeepSeek-V3 MoE training recipes on MaxText.")
     p.add_argument("--version", action="version", version=f"maxtext-moe {__version__}")
@@ -261,6 +275,20 @@ def parser() -> argparse.ArgumentParser:
     c = sub.add_parser("checkpoints", help="list a run's Orbax checkpoints, their state and what a re-run resumes from")
     c.add_argument("args", nargs="*", metavar="[RECIPE] [key=value]", help=f"as for train (default {DEFAULT_RECIPE})")
     c.set_defaults(func=cmd_checkpoints)
+
+    da = sub.add_parser("data", help="prepare a corpus of your own text for training")
+    dp = da.add_subparsers(dest="data_command", required=True, metavar="SUBCOMMAND").add_parser(
+        "prepare",
+        help="tokenize text/JSONL/Parquet files into pre-tokenized ArrayRecord shards (resumable)",
+        description="Tokenize SRC files (or folders) into ArrayRecord shards in --out; manifest.json is written last.",
+    )
+    dp.add_argument("sources", nargs="+", metavar="SRC", help="text files (one document each), .jsonl, .parquet")
+    dp.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizer.json, or the folder holding it")
+    dp.add_argument("--out", required=True, help="the corpus folder (re-run the same command to resume)")
+    dp.add_argument("--shards", type=int, help="number of shard files, at most (default: one per 256 MiB of input)")
+    dp.add_argument("--workers", type=int, help="tokenizing processes (default: all cores)")
+    dp.add_argument("--field", default="text", help="JSONL field / Parquet column with the text (default %(default)s)")
+    dp.set_defaults(func=cmd_data_prepare)
 
     ls = sub.add_parser("list", help="list the recipes")
     ls.set_defaults(func=cmd_list)
