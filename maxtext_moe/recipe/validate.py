@@ -436,7 +436,7 @@ def resolve(comp: Composition) -> ResolvedRecipe:
         out = Path(str(maxtext.get("base_output_directory") or "runs"))
         maxtext["grain_train_files"] = corpus_files.file_pattern(corpus_files.default_dir(out))
         sources["maxtext.grain_train_files"] = f"derived from the corpus section ({sources.get('corpus.source')})"
-    prepared.resolve_train_files(maxtext, sources, comp.files[-1] if comp.files else comp.name)
+    prepared.resolve_train_files(maxtext, sources)
     moe = _moe(comp, check, hw)
     for key in moe:
         sources.setdefault(f"moe.{key}", f"default for {hw.name}" if key == "gemm" else "default")

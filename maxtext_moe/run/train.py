@@ -18,7 +18,7 @@ from contextlib import contextmanager, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 
-from maxtext_moe.data import corpus
+from maxtext_moe.data import corpus, prepared
 from maxtext_moe.errors import UserError
 from maxtext_moe.recipe import advice, maxtext_keys, xla_flags
 from maxtext_moe.recipe.resolved import ResolvedRecipe
@@ -92,6 +92,7 @@ def train(
     resolved: ResolvedRecipe, *, force: bool = False, verbose: bool = False, out: Callable[[str], None] = print
 ) -> dict | None:
     """Train `resolved` to its `steps`, resuming from the latest checkpoint; returns the last metrics."""
+    prepared.require_train_files(resolved.maxtext, resolved.files[-1] if resolved.files else resolved.name)
     rp = run_paths(resolved)
     xla_flags.check(resolved)  # XLA would abort the run on a flag it does not know, after the start-up
     os.environ.update(resolved.env)

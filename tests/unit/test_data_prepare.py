@@ -177,10 +177,12 @@ def _resolve(path: Path, *overrides: str):
 
 def test_prepared_fragment_requires_a_finished_corpus(tokenizer, recipe_file, tmp_path):
     path = recipe_file(RECIPE)
-    with pytest.raises(UserError) as e:
-        _resolve(path)
-    assert str(e.value).startswith(f"{path}: grain_train_files: is not set;")
-    assert f"Fix: maxtext-moe train {path} grain_train_files=/data/corpus/*.array_record" in str(e.value)
+    assert _resolve(path).maxtext.get("grain_train_files") in (None, "")  # show, plan and launch work without it
+    r = run_cli("train", str(path), f"base_output_directory={tmp_path / 'runs'}")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"maxtext-moe: error: {path}: grain_train_files: is not set;")
+    assert f"Fix: maxtext-moe train {path} grain_train_files=/data/corpus/*.array_record" in r.stderr
+    assert not (tmp_path / "runs").exists()  # refused before anything is written
     half = tmp_path / "half"
     (half / ".done").mkdir(parents=True)
     with pytest.raises(UserError, match=f"command line: grain_train_files: {half} has no manifest.json"):
@@ -198,3 +200,21 @@ def test_a_corpus_folder_resolves_to_its_shards_and_tokenizer(tokenizer, recipe_
     assert r.sources["maxtext.grain_train_files"] == f"derived from {out / 'manifest.json'}"
     pattern = _resolve(recipe_file(RECIPE), f"grain_train_files={out}/*.array_record")
     assert pattern.maxtext["grain_train_files"] == f"{out}/*.array_record"
+
+
+def test_packed_te_attention_needs_room_for_the_corpus_documents(tokenizer, tmp_path):
+    """Short documents pack many to a row; TE's attention keeps `max_segments_per_seq` of them apart."""
+    from maxtext_moe.data import prepared
+
+    out = tmp_path / "corpus"
+    m = prepare.prepare(TEXTS, tokenizer, out, shards=1, log=lambda _: None)
+    seq = 10 * m["tokens"] // m["documents"]  # about ten of these documents to a row
+    per_row = seq / (m["tokens"] / m["documents"])
+    keys = {"dataset_type": "grain", "tokenize_train_data": False, "attention": "cudnn_flash_te"}
+    keys |= {"max_target_length": seq, "grain_train_files": str(out)}
+    with pytest.raises(UserError, match=r"max_segments_per_seq: is 2, but this corpus averages") as e:
+        prepared.resolve_train_files(dict(keys, max_segments_per_seq=2), {})
+    assert f"set max_segments_per_seq={2 * int(per_row) + 1}" in str(e.value)
+    fits = dict(keys, max_segments_per_seq=2 * int(per_row) + 1)
+    prepared.resolve_train_files(fits, {})
+    assert fits["grain_train_files"] == str(out / m["pattern"])

@@ -60,7 +60,12 @@ def test_671b_recipes_train_deepseek_v3_as_trained_on_our_block(name: str, fp8: 
     rate 0.001, 1 shared expert, 3 dense layers, 1 MTP layer; our block with FP8 experts."""
     r = cli.resolve(name, [])
     e = r.effective
-    assert (e("n_routing_groups"), e("topk_routing_group"), e("num_experts"), e("num_experts_per_tok")) == (8, 4, 256, 8)
+    assert (e("n_routing_groups"), e("topk_routing_group"), e("num_experts"), e("num_experts_per_tok")) == (
+        8,
+        4,
+        256,
+        8,
+    )
     assert (e("routed_score_func"), e("routed_scaling_factor"), e("routed_bias_update_rate")) == ("sigmoid", 2.5, 0.001)
     assert (e("shared_experts"), e("first_num_dense_layers"), e("mtp_num_layers")) == (1, 3, 1)
     assert e("te_moe_block") is False
