@@ -12,7 +12,7 @@ steps=${1:-8}; shift || true
 source scripts/device/common.sh
 nvidia-smi topo -m >> "$W/gpu.txt" 2>&1
 if [ "${DISPATCH_TESTS:-1}" != 0 ]; then
-  timeout 200 python3 -m pytest tests/test_moe_dispatch.py tests/test_moe_gpu.py tests/test_remat.py -m gpu -q -rP -p no:cacheprovider \
+  timeout 200 python3 -m pytest tests/gpu -m gpu -q -rP -p no:cacheprovider \
     > "$W/dispatch_gpu.log" 2>&1
   echo "dispatch GPU tests rc=$?"; grep "JAX's transpose" "$W/dispatch_gpu.log"; tail -3 "$W/dispatch_gpu.log"; pack
 fi
