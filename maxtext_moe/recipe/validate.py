@@ -1,11 +1,11 @@
 """Check a composed recipe and turn it into a `ResolvedRecipe`.
 
-MaxText's own pydantic model checks types and some values, but only once jax has started, and
-its messages name neither the file a value came from nor the hardware it will run on; many
-mistakes that matter for DeepSeek-V3 on GPUs (the TPU-only `megablox` kernel left on, MXFP8 experts
-on a Hopper, an expert-parallel size that does not divide the experts, a mesh that does not match
-the cluster) it accepts and fails on later, or never. These checks run first, without jax, and
-each error names the key, the file and the fix. `maxtext_check` then runs MaxText's own model.
+MaxText's own pydantic model checks types and some values, but only once jax has started, and its messages
+name neither the file a value came from nor the hardware it will run on; many mistakes that matter for
+DeepSeek-V3 on GPUs (the TPU-only `megablox` kernel left on, MXFP8 experts on a Hopper, an expert-parallel
+size that does not divide the experts, a mesh that does not match the cluster) it accepts and fails on
+later, or never. These checks run first, without jax, and each error names the key, the file and the fix;
+`maxtext_check` then runs MaxText's model. The `moe:` section's own checks are in `moe/settings.py`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ FP8_QUANTIZATIONS = {
 }
 MXFP8 = "te_mxfp8"
 
-ATTENTION_CHOICES = {"residuals": ("recompute", "save")}
+RESIDUALS = ("recompute", "save")  # attention.residuals
 # Attention kernels whose forward outputs `attention.residuals: save` keeps (remat.ATTENTION_FORWARD_PRIMITIVES)
 FLASH_ATTENTION = ("cudnn_flash_jax", "cudnn_flash_te")
 
@@ -260,7 +260,6 @@ def _moe(comp: Composition, check: _Checker, hw: Hardware) -> MoeSettings:
     settings = MoeSettings.from_section(comp.sections["moe"], hw)
     if not settings.ours:
         return settings
-    gemm = settings.gemm
     if check.value("decoder_block") != "deepseek":
         check.fail(
             "decoder_block",
@@ -286,7 +285,7 @@ def _moe(comp: Composition, check: _Checker, hw: Hardware) -> MoeSettings:
         return next((k for net in ("ici", "dcn") if check.value(k := f"{net}_{axis}_parallelism") != 1), None)
 
     expert_parallel = split("expert") is not None
-    # Our dispatch runs over the mesh axis `expert` (`integration.py`); these MaxText EP variants use others.
+    # Our dispatch runs over the mesh axis `expert` (`deepseek_layer.py`); these MaxText EP variants use others.
     if expert_parallel and check.value("use_ring_of_experts"):
         check.fail(
             "use_ring_of_experts",
@@ -306,7 +305,7 @@ def _moe(comp: Composition, check: _Checker, hw: Hardware) -> MoeSettings:
             "is not 1, but moe.impl: ours does not run expert parallelism inside MaxText's pipeline stages.",
             "set it to 1, or use moe.impl: maxtext.",
         )
-    if expert_parallel and gemm == "te" and check.value("scan_layers"):
+    if expert_parallel and settings.gemm == "te" and check.value("scan_layers"):
         # XLA's compiler (JAX 0.11.2, TE 2.20.2) crashes in backend_compile_and_load on this combination,
         # with either exchange and any number of processes; unrolled layers compile.
         check.fail(
@@ -321,20 +320,17 @@ def _moe(comp: Composition, check: _Checker, hw: Hardware) -> MoeSettings:
 def _attention(comp: Composition, check: _Checker) -> dict[str, str]:
     """The `attention` section with defaults: `residuals: save` keeps flash attention's forward outputs."""
     sec = comp.sections["attention"]
-    for key, v in sec.items():
-        if v.value not in ATTENTION_CHOICES[key]:
-            raise UserError(
-                f"must be one of {', '.join(ATTENTION_CHOICES[key])}, got {v.value!r}.",
-                key=f"attention.{key}",
-                source=v.source,
-            )
-    residuals = sec["residuals"].value if "residuals" in sec else "recompute"
+    residuals, where = (sec["residuals"].value, sec["residuals"].source) if sec else ("recompute", None)
+    if residuals not in RESIDUALS:
+        raise UserError(
+            f"must be one of {', '.join(RESIDUALS)}, got {residuals!r}.", key="attention.residuals", source=where
+        )
     if residuals == "save" and check.value("attention") not in FLASH_ATTENTION:
         raise UserError(
             f"is save, but attention is {check.value('attention')!r}; only cuDNN flash attention's forward "
             "outputs are kept this way.",
             key="attention.residuals",
-            source=sec["residuals"].source,
+            source=where,
             fix=f"set attention to one of {', '.join(FLASH_ATTENTION)}, or attention.residuals: recompute.",
         )
     return {"residuals": residuals}

@@ -324,3 +324,9 @@ def test_advice_names_the_uncapped_ep_buffer_and_the_attention_rerun():
     assert "reruns the attention forward kernel" in note and "attention.residuals: save" in note
     assert advice.notes(compose_resolve(one, "attention.residuals=recompute", "remat_policy=full")) == []
     assert advice.notes(compose_resolve(one, "moe.impl=maxtext")) == []  # MaxText's block as it is
+
+
+def test_attention_section_refuses_unknown_residuals_naming_the_source():
+    assert "command line: attention.residuals: must be one of recompute, save, got 'keep'." in error_of(
+        TINY, "attention.residuals=keep"
+    )
