@@ -2,7 +2,7 @@
 
 Issue 5 asks for the bytes a token sends in the EP dispatch with and without per-destination-rank dedup,
 on two GPUs, where the exchange is the real `jax.lax.ragged_all_to_all` over NVLink. This script runs
-`dispatch.ep_moe_forward_sharded` (routing, plan, exchange, grouped GEMMs, exchange back, shared expert)
+`expert_parallel.ep_moe_forward_sharded` (routing, plan, exchange, grouped GEMMs, exchange back, shared expert)
 forward + backward on DeepSeek-V3 widths with the tokens and experts split over all devices, once sending
 a row per (token, chosen expert) as MaxText does ("no dedup") and once per (token, destination rank)
 ("dedup"). For each it reports the median step, the rows and KiB per token that cross ranks (counted
@@ -34,10 +34,11 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, Sharding
 from jax.sharding import PartitionSpec as P
 
-from maxtext_moe.moe import dispatch
+from maxtext_moe.moe import expert_parallel, send_plan
 from maxtext_moe.moe.gemm import BACKENDS
 from maxtext_moe.moe.layer import MoEConfig, init_params, moe_forward
 from maxtext_moe.moe.routing import RoutingConfig
+from maxtext_moe.moe.settings import EP_AXIS, IMPLS, ExpertPath
 from maxtext_moe.run import distributed
 
 
@@ -53,7 +54,7 @@ def shard_params(params: Any, mesh: Mesh) -> Any:
     def place(path: tuple, leaf: jax.Array) -> jax.Array:
         name = jax.tree_util.keystr(path)
         split = "MoeBlock_0" in name and "gate" not in name
-        return put(leaf, NamedSharding(mesh, P(dispatch.EP_AXIS) if split else P()))
+        return put(leaf, NamedSharding(mesh, P(EP_AXIS) if split else P()))
 
     return jax.tree_util.tree_map_with_path(place, params)
 
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--groups", type=int, nargs=2, default=[8, 4], metavar=("N_GROUPS", "TOPK_GROUPS"))
     ap.add_argument("--backend", default="te", choices=list(BACKENDS))
-    ap.add_argument("--impl", default="all_to_all", choices=list(dispatch.IMPLS))
+    ap.add_argument("--impl", default="all_to_all", choices=list(IMPLS))
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument(
         "--buffer-factor",
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     ranks = len(devices)
     if ranks < 2:
         raise SystemExit(f"needs 2 or more devices, found {ranks}")
-    mesh = Mesh(np.array(devices), (dispatch.EP_AXIS,))
+    mesh = Mesh(np.array(devices), (EP_AXIS,))
     cfg = MoEConfig(
         emb_dim=a.emb,
         moe_mlp_dim=a.mlp,
@@ -105,9 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     x = jax.random.normal(jax.random.key(1), (tokens, cfg.emb_dim), dtype)
     cot = jax.random.normal(jax.random.key(2), x.shape, jnp.float32)
 
-    (_, dx_one), y_one = grad_fn(lambda p, x: moe_forward(p, x, cfg, a.backend)[0], cot)(params, x)
+    (_, dx_one), y_one = grad_fn(lambda p, x: moe_forward(p, x, cfg, ExpertPath(backend=a.backend))[0], cot)(params, x)
     sharded_params = shard_params(params, mesh)
-    x_sharded = put(x, NamedSharding(mesh, P(dispatch.EP_AXIS)))
+    x_sharded = put(x, NamedSharding(mesh, P(EP_AXIS)))
     flops = layer_flops(cfg, a.tokens_per_device)
     result: dict[str, Any] = {
         "devices": [d.device_kind for d in devices],
@@ -118,19 +119,16 @@ def main(argv: list[str] | None = None) -> int:
     }
     for dedup in (False, True):
         forward = functools.partial(
-            dispatch.ep_moe_forward_sharded,
+            expert_parallel.ep_moe_forward_sharded,
             cfg=cfg,
             mesh=mesh,
-            dedup=dedup,
-            backend=a.backend,
-            impl=a.impl,
-            buffer_factor=a.buffer_factor,
+            path=ExpertPath(backend=a.backend, exchange=a.impl, buffer_factor=a.buffer_factor, dedup=dedup),
         )
         step = grad_fn(lambda p, x, forward=forward: forward(p, x)[0], cot)
         (_, dx), y = step(sharded_params, x_sharded)
         y, dx = whole(y), whole(dx)
         ids = whole(jax.jit(lambda p, x, forward=forward: forward(p, x)[1].indices)(sharded_params, x_sharded))
-        sent = dispatch.dispatch_bytes_per_token(ids, a.experts, ranks, a.emb, dtype.itemsize, dedup=dedup)
+        sent = send_plan.dispatch_bytes_per_token(ids, a.experts, ranks, a.emb, dtype.itemsize, dedup=dedup)
         run: dict[str, Any] = {
             "dedup": dedup,
             "ranks": ranks,
@@ -138,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             "rows_per_token_sent": sent / (a.emb * dtype.itemsize),
             "kib_per_token_sent": sent / 1024,
             "wire_rows_per_token": (ranks - 1)
-            * dispatch.peer_rows(a.tokens_per_device, a.top_k, dispatch.local_experts(a.experts, ranks), dedup)
+            * send_plan.peer_rows(a.tokens_per_device, a.top_k, send_plan.local_experts(a.experts, ranks), dedup)
             / a.tokens_per_device
             if a.impl == "all_to_all"
             else None,

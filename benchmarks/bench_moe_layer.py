@@ -14,7 +14,6 @@ rows); its TFLOP/s counts the same matmul FLOPs (compare with the FP8 peak, 1,97
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -30,6 +29,7 @@ from maxtext_moe.moe.gemm import BACKENDS, Backend, Fp8, select_te_grouped_gemm_
 from maxtext_moe.moe.layer import MoEConfig, init_params, moe_forward
 from maxtext_moe.moe.reference import moe_reference
 from maxtext_moe.moe.routing import RoutingConfig
+from maxtext_moe.moe.settings import ExpertPath
 
 SEQ = 4096  # MaxText's block takes [batch, seq, emb]; tokens = batch * SEQ
 # --backends names: each grouped-GEMM backend as is, and TE with FP8 current scaling.
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         cot = jax.random.normal(jax.random.key(tokens + 2), x.shape, jnp.float32)
         ref_grad = grad_fn(lambda p, x: moe_reference(p, x, cfg), cot)
         (_, dx_ref), y_ref = ref_grad(params, x.astype(jnp.float32))
-        counts = np.asarray(jax.jit(lambda p, x: moe_forward(p, x, cfg, "ragged_dot")[1].counts)(params, x))
+        counts = np.asarray(jax.jit(lambda p, x: moe_forward(p, x, cfg)[1].counts)(params, x))
         flops = layer_flops(cfg, tokens)
 
         variants: list[tuple[str, Callable, Any]] = []
@@ -135,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
             backend, fp8 = VARIANTS[name]
             if backend == "ragged_dot" and tokens > a.ragged_dot_max_tokens:
                 continue
-            layer_cfg = dataclasses.replace(cfg, fp8=fp8)
-            variants.append((f"ours/{name}", lambda p, x, c=layer_cfg, b=backend: moe_forward(p, x, c, b)[0], params))
+            path = ExpertPath(backend=backend, fp8=fp8)
+            variants.append((f"ours/{name}", lambda p, x, path=path: moe_forward(p, x, cfg, path)[0], params))
         if a.maxtext:
             from maxtext_moe.upstream.maxtext_block import maxtext_moe_fn
 

@@ -6,7 +6,7 @@ distinct experts; `routing.route` with random normal gate logits and zero bias, 
 with DeepSeek-V3's 8 groups / top-4 groups, where each group lies on one rank at EP8 (four on each at
 EP2), so a token reaches at most 4 (2) ranks.
 Tokens are split evenly over the ranks; rows a rank keeps for itself are not counted (see
-`dispatch.dispatch_bytes_per_token`). The combine sends back as many rows as the dispatch, so the round
+`send_plan.dispatch_bytes_per_token`). The combine sends back as many rows as the dispatch, so the round
 trip is twice these figures and the factor is the same. Prints a Markdown table.
 
     python benchmarks/dispatch_bytes.py --tokens 16384 --seed 0
@@ -20,8 +20,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from maxtext_moe.moe.dispatch import dispatch_bytes_per_token
 from maxtext_moe.moe.routing import RoutingConfig, route
+from maxtext_moe.moe.send_plan import dispatch_bytes_per_token
 
 TOP_K, HIDDEN, BF16_BYTES = 8, 7168, 2
 SETUPS = ((256, 8), (256, 2), (128, 2))  # (routed experts, expert-parallel ranks)

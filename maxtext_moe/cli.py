@@ -56,6 +56,7 @@ def render_show(r: ResolvedRecipe) -> str:
         ("env", r.env, "env"),
         ("corpus", r.corpus or {}, "corpus"),
         ("moe", r.moe, "moe"),
+        ("attention", r.attention, "attention"),
     ):
         if not values:
             continue

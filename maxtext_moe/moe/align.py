@@ -1,7 +1,7 @@
 """Pad each expert group of sorted rows to a multiple of `align` rows, and drop the padding afterwards.
 
 Why: TE's FP8 grouped GEMM on Hopper (per-group "V1" path, current scaling) asserts that every group's
-row count is a multiple of 16 (`CanonicalizeGemmInput: ... lda % 16 == 0`, seen on the lent H200), and the
+row count is a multiple of 16 (`CanonicalizeGemmInput: ... lda % 16 == 0`), and the
 padding rows must be counted inside `group_sizes`. TE's own permutation `align_size` leaves them outside,
 which that path rejects. So the padding is done here, as zero rows at the end of each group: the GEMM of a
 zero row is a zero row, which `unpad_rows` drops, so no token is dropped and the result is unchanged.
@@ -19,6 +19,7 @@ its inverse (no scatter-add).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -64,35 +65,42 @@ def align_groups(group_sizes: jax.Array, rows: int, align: int) -> GroupAlignmen
     return GroupAlignment(aligned, src.astype(jnp.int32), dest.astype(jnp.int32))
 
 
-@jax.custom_vjp
-def _take_rows(x: jax.Array, index: jax.Array, inverse: jax.Array) -> jax.Array:
-    """x[index] with zeros where `index` is out of range; `inverse` maps back (out of range where unused).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def take_rows(x: jax.Array, index: jax.Array, inverse: jax.Array, fill: bool = True) -> jax.Array:
+    """x[index] whose gradient is the gather by `inverse` (the transpose of a gather by a one-to-one map),
+    not the scatter-add XLA would emit. The one row gather of the MoE code: sorting copies by expert,
+    unsorting, padding groups, and keeping part of the EP receive side's copies.
 
-    Unlike `layer.permute_rows` (a full permutation, indices promised in bounds), the maps here are partial
-    bijections, hence the zero fill; the gradient is still a gather, by `inverse`.
+    `fill`: `index` and `inverse` may be partial maps onto part of the rows, in either direction; an index
+    past the last row reads zero, forward and backward. Without it every index is promised in bounds (a
+    full permutation), and the gather needs no fill.
     """
-    return jnp.take(x, index, axis=0, mode="fill", fill_value=0)
+    return _gather(x, index, fill)
 
 
-def _take_rows_fwd(x: jax.Array, index: jax.Array, inverse: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return _take_rows(x, index, inverse), inverse
+def _gather(x: jax.Array, index: jax.Array, fill: bool) -> jax.Array:
+    return jnp.take(x, index, axis=0, mode="fill", fill_value=0) if fill else x[index]
 
 
-def _take_rows_bwd(inverse: jax.Array, g: jax.Array) -> tuple[jax.Array, None, None]:
-    return jnp.take(g, inverse, axis=0, mode="fill", fill_value=0), None, None
+def _take_rows_fwd(x: jax.Array, index: jax.Array, inverse: jax.Array, fill: bool) -> tuple[jax.Array, jax.Array]:
+    return _gather(x, index, fill), inverse
 
 
-_take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+def _take_rows_bwd(fill: bool, inverse: jax.Array, g: jax.Array) -> tuple[jax.Array, None, None]:
+    return _gather(g, inverse, fill), None, None
+
+
+take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
 def pad_rows(x: jax.Array, a: GroupAlignment) -> jax.Array:
     """[M, ...] rows sorted by group -> [P, ...] with each group padded by zero rows to `a.group_sizes`."""
-    return _take_rows(x, a.src, a.dest)
+    return take_rows(x, a.src, a.dest)
 
 
 def unpad_rows(y: jax.Array, a: GroupAlignment) -> jax.Array:
     """[P, ...] padded rows (e.g. a grouped GEMM's output) -> [M, ...] in the original order, padding dropped."""
-    return _take_rows(y, a.dest, a.src)
+    return take_rows(y, a.dest, a.src)
 
 
 def aligned(

@@ -1,17 +1,17 @@
 """One grouped-GEMM interface over three backends: `out[rows of group g] = x[rows of g] @ w[g]`.
 
-Why: MaxText 0.2.5 reaches `jax.lax.ragged_dot` (dense work on GPU: 23 TFLOP/s, and out of memory on
-our H200 proxy) or tokamax's Mosaic kernel (about 276 TFLOP/s), but not TE's `grouped_dense` (about
-637 TFLOP/s) outside its fused `te_moe_block`, which refuses DeepSeek-V3's bias update. This module lets
-our layer pick the kernel per run, with the same inputs and the same semantics.
+Why: MaxText 0.2.5 reaches `jax.lax.ragged_dot` (dense work on GPU) or tokamax's Mosaic kernel, but not
+TE's `grouped_dense`, the fastest of the three on Hopper (docs/PERFORMANCE.md), outside its fused
+`te_moe_block`, which refuses DeepSeek-V3's bias update. This module lets our layer pick the kernel per
+run, with the same inputs and the same semantics.
 
 Rows of `x_sorted` are ordered by group; `group_sizes[g]` rows belong to group g; the sizes sum to the
 number of rows (the layer checks that: dropless).
 
 FP8 (`fp8="current_scaling"`, backend te only): MaxText's TE block offers FP8 experts only as MXFP8, which
 needs Blackwell, so Hopper gets none there. TE's `grouped_dense` also takes per-tensor current scaling
-(E4M3 forward, E5M2 gradients), which Hopper runs, given two things seen on the lent H200: a quantizer set
-built with explicit dtypes, and every group's row count a multiple of 16 counted inside `group_sizes`
+(E4M3 forward, E5M2 gradients), which Hopper runs given two things: a quantizer set built with explicit
+dtypes, and every group's row count a multiple of 16 counted inside `group_sizes`
 (`align.py` pads with zero rows and drops them after the GEMM).
 """
 
@@ -28,13 +28,9 @@ import jax.numpy as jnp
 
 from maxtext_moe.errors import UserError
 from maxtext_moe.moe.align import aligned
+from maxtext_moe.moe.settings import BACKENDS, FP8_MODES, Backend, Fp8
 from maxtext_moe.upstream import te
 
-Backend = Literal["ragged_dot", "tokamax", "te"]
-BACKENDS: tuple[Backend, ...] = ("ragged_dot", "tokamax", "te")
-
-Fp8 = Literal["none", "current_scaling"]
-FP8_MODES: tuple[Fp8, ...] = ("none", "current_scaling")
 # TE's FP8 grouped GEMM on Hopper asserts `lda % 16 == 0` per group: each group's rows padded to a multiple.
 FP8_GROUP_ALIGN = 16
 
@@ -85,7 +81,7 @@ def _te_fp8_current_scaling(dense: ModuleType, x_sorted: jax.Array, w: jax.Array
     """TE's `grouped_dense` with FP8 current scaling (per-tensor amax of this call; no scaling state to keep).
 
     The dtypes are given explicitly: built from the scaling mode alone, TE's quantizer set does not run
-    (seen on the lent H200). Groups are padded to `FP8_GROUP_ALIGN` rows around the call (`align.aligned`).
+    on Hopper. Groups are padded to `FP8_GROUP_ALIGN` rows around the call (`align.aligned`).
     """
     quantize = importlib.import_module("transformer_engine.jax.quantize")
     quantizers = quantize.QuantizerFactory.create_set(
@@ -161,8 +157,8 @@ def _tail_guarded(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array, bac
     gradients, as `jax.lax.ragged_dot` defines it, whatever the kernel does with them.
 
     Why: tokamax's Mosaic GPU kernel leaves those output rows unwritten (it has no `zero_initialize`), and
-    so does its backward for the input gradient; on two H200s that memory turned the first EP2 step's
-    gradients into NaN (the loss was finite, the next one NaN). TE asserts that the groups cover all M
+    so does its backward for the input gradient; whatever that memory holds (NaN included) would reach
+    the gradients. TE asserts that the groups cover all M
     rows, so for TE the tail joins the last group: its rows are zeroed first, so they add nothing to that
     expert's weight gradient, but they are computed.
     """

@@ -3,13 +3,14 @@
 Why our own: MaxText 0.2.5's `RoutedMoE.sparse_matmul` reaches only `ragged_dot`/tokamax for the expert
 GEMMs, and its TE block refuses the aux-loss-free bias update. This layer keeps MaxText's parameter tree
 (`RoutedAndSharedMoE`: `MoeBlock_0/{gate/{kernel,bias}, wi_0, wi_1, wo}`, `shared_experts/{wi_0,wi_1,wo}/kernel`)
-and DeepSeek-V3 semantics, and takes the grouped-GEMM backend as an argument (`gemm.BACKENDS`).
+and DeepSeek-V3 semantics, and takes how the experts compute (`settings.ExpertPath`: grouped-GEMM backend,
+FP8) as one argument.
 
 Steps: route (float32) -> repeat each token k times and sort the copies by expert -> grouped GEMMs
 wi_0, wi_1 -> SiLU(h0) * h1 -> grouped GEMM wo -> unsort -> weighted sum over the k copies -> + shared expert.
 No token is dropped: every copy lands in exactly one expert's rows (checked, see `sort_by_expert`).
-Expert parallelism (dispatch across devices, with per-rank deduplication) is in `dispatch`, which runs
-the same `expert_mlp` on each rank's rows.
+Expert parallelism (dispatch across devices, with per-rank deduplication) is in `expert_parallel`, which
+runs the same `expert_mlp` on each rank's rows.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from maxtext_moe.errors import UserError
-from maxtext_moe.moe.gemm import Backend, Fp8, grouped_matmul
+from maxtext_moe.moe.align import take_rows
+from maxtext_moe.moe.gemm import grouped_matmul
 from maxtext_moe.moe.routing import Routing, RoutingConfig, route
+from maxtext_moe.moe.settings import DEFAULT_PATH, ExpertPath
 
 Params = dict[str, Any]
 
@@ -39,7 +42,6 @@ class MoEConfig:
     routing: RoutingConfig
     shared_mlp_dim: int  # width of the shared expert (MaxText: shared_experts * moe_mlp_dim)
     check_dropless: bool = True  # host-side check of sum(group sizes) under jit (one small callback)
-    fp8: Fp8 = "none"  # expert GEMMs in FP8 ("current_scaling": TE backend only, see gemm.py)
 
 
 def init_params(key: jax.Array, cfg: MoEConfig, dtype: jnp.dtype = jnp.bfloat16) -> Params:
@@ -71,12 +73,23 @@ def gate_logits(x: jax.Array, gate_kernel: jax.Array) -> jax.Array:
     return jnp.dot(x.astype(jnp.float32), gate_kernel.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
 
 
-def _raise_if_dropped(total: np.ndarray, rows: int) -> None:
-    if int(total) != rows:
+def _raise_if_lost(total: np.ndarray, expected: int, where: str, scope: str) -> None:
+    if int(total) != expected:
         raise UserError(
-            f"MoE dispatch is not dropless: expert groups hold {int(total)} rows, expected {rows} "
-            "(tokens x top-k); an expert index is outside [0, num_experts)."
+            f"{scope} dispatch is not dropless: {where} hold {int(total)} (token, expert) copies, expected "
+            f"{expected} (tokens x top-k); an expert index is outside [0, num_experts), or the dispatch plan "
+            "is inconsistent."
         )
+
+
+def check_dropless(total: jax.Array, expected: int, where: str, scope: str = "MoE") -> None:
+    """Raise unless `total` (token, expert) copies were placed, `expected` being tokens x top-k: eagerly when
+    `total` is concrete, else from a host callback under jit. The one dropless check of the one-device layer
+    and of the EP dispatch (`scope` says which)."""
+    if isinstance(total, jax.core.Tracer):
+        jax.debug.callback(functools.partial(_raise_if_lost, expected=expected, where=where, scope=scope), total)
+    else:
+        _raise_if_lost(np.asarray(total), expected, where, scope)
 
 
 def sort_by_expert(indices: jax.Array, num_experts: int, check: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -90,37 +103,8 @@ def sort_by_expert(indices: jax.Array, num_experts: int, check: bool = True) -> 
     inverse = jnp.argsort(order)
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     if check:
-        total = jnp.sum(group_sizes)
-        if isinstance(total, jax.core.Tracer):
-            jax.debug.callback(_raise_if_dropped, total, flat.shape[0])
-        else:
-            _raise_if_dropped(np.asarray(total), flat.shape[0])
+        check_dropless(jnp.sum(group_sizes), flat.shape[0], "the expert groups")
     return order, inverse, group_sizes
-
-
-def _take_rows(x: jax.Array, idx: jax.Array, partial: bool) -> jax.Array:
-    return jnp.take(x, idx, axis=0, mode="fill", fill_value=0) if partial else x[idx]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def permute_rows(x: jax.Array, perm: jax.Array, inverse: jax.Array, partial: bool = False) -> jax.Array:
-    """x[perm] whose backward is a gather by the inverse permutation, not the scatter-add XLA would emit.
-
-    `partial`: `perm` may be a one-to-one map onto part of the rows, in either direction; an index past
-    the last row reads zero (forward, and in the backward through `inverse`). The EP receive side keeps
-    only the valid (row, expert) copies this way (`dispatch.expand_reduce`)."""
-    return _take_rows(x, perm, partial)
-
-
-def _permute_fwd(x: jax.Array, perm: jax.Array, inverse: jax.Array, partial: bool) -> tuple[jax.Array, jax.Array]:
-    return _take_rows(x, perm, partial), inverse
-
-
-def _permute_bwd(partial: bool, inverse: jax.Array, g: jax.Array) -> tuple[jax.Array, None, None]:
-    return _take_rows(g, inverse, partial), None, None
-
-
-permute_rows.defvjp(_permute_fwd, _permute_bwd)
 
 
 def shared_expert(x: jax.Array, p: Params) -> jax.Array:
@@ -134,8 +118,7 @@ def expert_mlp(
     x_sorted: jax.Array,
     experts: Params,
     group_sizes: jax.Array,
-    backend: Backend,
-    fp8: Fp8 = "none",
+    path: ExpertPath,
     *,
     partial: bool = False,
 ) -> jax.Array:
@@ -148,14 +131,18 @@ def expert_mlp(
     `mlpwi_0`, `mlpwi_1`, `mlpwo`) recomputes the wi_1 grouped GEMM in the backward pass.
     `partial`: the groups may end before the last row (see `grouped_matmul`).
     """
-    gmm = functools.partial(grouped_matmul, group_sizes=group_sizes, backend=backend, fp8=fp8, partial=partial)
+    gmm = functools.partial(
+        grouped_matmul, group_sizes=group_sizes, backend=path.backend, fp8=path.fp8, partial=partial
+    )
     h0 = checkpoint_name(checkpoint_name(gmm(x_sorted, experts["wi_0"]), "mlpwi_0"), "moe_mlpwi_0")
     h1 = checkpoint_name(checkpoint_name(gmm(x_sorted, experts["wi_1"]), "mlpwi_1"), "moe_mlpwi_1")
     act = (jax.nn.silu(h0.astype(jnp.float32)) * h1.astype(jnp.float32)).astype(x_sorted.dtype)
     return checkpoint_name(checkpoint_name(gmm(act, experts["wo"]), "mlpwo"), "moe_mlpwo")
 
 
-def routed_experts(p: Params, tokens: jax.Array, cfg: MoEConfig, backend: Backend) -> tuple[jax.Array, Routing]:
+def routed_experts(
+    p: Params, tokens: jax.Array, cfg: MoEConfig, path: ExpertPath = DEFAULT_PATH
+) -> tuple[jax.Array, Routing]:
     """The routed experts alone on `tokens` [T, emb_dim]: (float32 [T, emb_dim], the routing used).
 
     `p` is MaxText's `MoeBlock_0` subtree.
@@ -164,18 +151,20 @@ def routed_experts(p: Params, tokens: jax.Array, cfg: MoEConfig, backend: Backen
     routing = route(gate_logits(tokens, p["gate"]["kernel"]), p["gate"]["bias"], cfg.routing)
     order, inverse, group_sizes = sort_by_expert(routing.indices, cfg.routing.num_experts, cfg.check_dropless)
 
-    x_sorted = permute_rows(jnp.repeat(tokens, k, axis=0), order, inverse)
-    out_sorted = expert_mlp(x_sorted, p, group_sizes, backend, cfg.fp8)
-    out = permute_rows(out_sorted, inverse, order).reshape(-1, k, cfg.emb_dim)
+    x_sorted = take_rows(jnp.repeat(tokens, k, axis=0), order, inverse, False)
+    out_sorted = expert_mlp(x_sorted, p, group_sizes, path)
+    out = take_rows(out_sorted, inverse, order, False).reshape(-1, k, cfg.emb_dim)
     routed = jnp.einsum("tkd,tk->td", out, routing.weights.astype(tokens.dtype), preferred_element_type=jnp.float32)
     return routed, routing
 
 
-def moe_forward(params: Params, x: jax.Array, cfg: MoEConfig, backend: Backend) -> tuple[jax.Array, Routing]:
+def moe_forward(
+    params: Params, x: jax.Array, cfg: MoEConfig, path: ExpertPath = DEFAULT_PATH
+) -> tuple[jax.Array, Routing]:
     """Routed + shared MoE on `x` [..., emb_dim] -> (same shape and dtype, the routing used)."""
     if x.shape[-1] != cfg.emb_dim:
         raise UserError(f"MoE input width {x.shape[-1]} != emb_dim {cfg.emb_dim}.")
     tokens = x.reshape(-1, cfg.emb_dim)
-    routed, routing = routed_experts(params["MoeBlock_0"], tokens, cfg, backend)
+    routed, routing = routed_experts(params["MoeBlock_0"], tokens, cfg, path)
     y = routed + shared_expert(tokens, params["shared_experts"]).astype(jnp.float32)
     return y.astype(x.dtype).reshape(x.shape), routing

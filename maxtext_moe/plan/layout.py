@@ -163,10 +163,10 @@ def _mesh(r: ResolvedRecipe, devices: int) -> dict[str, int]:
 
 
 def _remat(r: ResolvedRecipe) -> dict[str, str]:
-    """Where each named tensor lives under the recipe's policy; `moe.attention_residuals: save` keeps the
+    """Where each named tensor lives under the recipe's policy; `attention.residuals: save` keeps the
     attention output (and its statistics) on the device whatever the policy (`remat.py`)."""
     choices = _policy_tensors(r)
-    if r.moe.get("attention_residuals") == "save":
+    if r.attention["residuals"] == "save":
         choices["context"] = "device"
     return choices
 
@@ -223,8 +223,9 @@ def from_recipe(r: ResolvedRecipe, gpus: int | None = None, gpu_type: str | None
     weight_bytes = _dtype_bytes(r, "weight_dtype", "float32")
     quant = str(r.effective("quantization") or "")
     te = bool(r.effective("te_moe_block"))
-    if r.moe["impl"] == "ours":  # our block: the recipe's moe.gemm picks the grouped-GEMM kernel
-        moe_path = r.moe["gemm"]
+    moe = r.moe_settings
+    if moe.ours:  # our block: the recipe's moe.gemm picks the grouped-GEMM kernel
+        moe_path = moe.gemm
     else:
         moe_path = (
             "te"
@@ -257,14 +258,15 @@ def from_recipe(r: ResolvedRecipe, gpus: int | None = None, gpu_type: str | None
         ragged_buffer_factor=float(r.effective("ragged_buffer_factor")),
         moe_path=moe_path,
         dense_fp8="fp8" in quant and hw.fp8,
-        # Only TE's block quantizes the grouped GEMM; `quantization` reaches the dense GEMMs alone.
-        expert_fp8=te and r.effective("te_gmm_quantization") == "te_mxfp8",
+        # The expert GEMMs run in FP8 through TE's block with MXFP8, or through ours with `moe.fp8`;
+        # `quantization` reaches the dense GEMMs alone.
+        expert_fp8=hw.fp8 and (moe.expert_fp8 or (te and r.effective("te_gmm_quantization") == "te_mxfp8")),
         vocab_tiling=max(1, int(r.effective("num_vocab_tiling"))),
         mem_fraction=float(r.env.get("XLA_PYTHON_CLIENT_MEM_FRACTION", JAX_DEFAULT_MEM_FRACTION)),
         latency_hiding="xla_gpu_enable_latency_hiding_scheduler=true" in flags,
         offload_optimizer=bool(r.effective("optimizer_memory_host_offload")),
         offload_params=bool(r.effective("parameter_memory_host_offload")),
-        dedup_dispatch=r.moe["impl"] == "ours",
+        dedup_dispatch=moe.ours,
         scanned=bool(r.effective("scan_layers")),
-        dense_exchange=r.moe["impl"] == "ours" and r.moe.get("exchange", "auto") != "ragged_all_to_all",
+        dense_exchange=moe.ours and moe.exchange_impl == "all_to_all",
     )

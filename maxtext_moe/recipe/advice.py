@@ -12,20 +12,15 @@ from maxtext_moe.recipe.resolved import ResolvedRecipe
 def notes(resolved: ResolvedRecipe) -> list[str]:
     """One line per measured slow combination in `resolved`; empty when there is none."""
     found = []
-    moe, policy = resolved.moe, str(resolved.effective("remat_policy"))
-    if moe.get("impl") == "ours" and moe.get("gemm") == "te" and resolved.effective("scan_layers") and policy != "full":
+    moe, policy = resolved.moe_settings, str(resolved.effective("remat_policy"))
+    if moe.ours and moe.gemm == "te" and resolved.effective("scan_layers") and policy != "full":
         found.append(
             f"note: scan_layers is true with moe.gemm: te and remat_policy: {policy}; on an H200 the scanned step "
             "computed every saved expert GEMM output twice (48 grouped GEMMs a step instead of 36; 0.817 s against "
             "0.714 s unrolled). Set scan_layers: false unless compile time matters more (docs/PERFORMANCE.md)."
         )
     expert_parallel = any(resolved.effective(f"{net}_expert_parallelism") != 1 for net in ("ici", "dcn"))
-    if (
-        moe.get("impl") == "ours"
-        and moe.get("gemm") == "te"
-        and expert_parallel
-        and float(resolved.effective("ragged_buffer_factor")) <= 0
-    ):
+    if moe.ours and moe.gemm == "te" and expert_parallel and float(resolved.effective("ragged_buffer_factor")) <= 0:
         found.append(
             "note: ragged_buffer_factor is -1 with moe.gemm: te and expert parallelism; TE then computes every slot "
             "of the worst-case buffer, EP x the routed rows. On two H200s (EP2, batch 4) the step took 0.983 s at -1 "
@@ -33,14 +28,13 @@ def notes(resolved: ResolvedRecipe) -> list[str]:
             "nothing is dropped (docs/RECIPES.md)."
         )
     if (
-        moe.get("impl") == "ours"
-        and moe.get("attention_residuals") == "recompute"
+        resolved.attention["residuals"] == "recompute"
         and resolved.effective("attention") == "cudnn_flash_jax"
         and policy != "full"
     ):
         found.append(
             f"note: remat_policy: {policy} with cuDNN attention reruns the attention forward kernel in the backward "
-            "pass; moe.attention_residuals: save kept its outputs instead, 1.05x faster for 2.3 GiB on one H200 "
+            "pass; attention.residuals: save kept its outputs instead, 1.05x faster for 2.3 GiB on one H200 "
             "at batch 8 (docs/PERFORMANCE.md)."
         )
     return found

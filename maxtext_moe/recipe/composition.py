@@ -16,6 +16,7 @@ File format (recipes and fragments alike; every section optional):
     topology: {hardware: h200, nodes: 1, gpus_per_node: 8}
     corpus: {source: python-stdlib, max_mib: 8}      # text prepared locally for the Grain loader
     moe: {impl: ours, gemm: te}                      # which routed-MoE block and grouped GEMM run
+    attention: {residuals: save}                     # keep flash attention's forward outputs for the backward
 
 Later values replace earlier ones key by key; command-line `key=value` overrides come last.
 """
@@ -31,13 +32,18 @@ import yaml
 
 from maxtext_moe import paths
 from maxtext_moe.errors import UserError
+from maxtext_moe.moe import settings
 from maxtext_moe.recipe import maxtext_keys
 
-SECTIONS = ("description", "include", "maxtext", "env", "xla_flags", "topology", "corpus", "moe")
+SECTIONS = ("description", "include", "maxtext", "env", "xla_flags", "topology", "corpus", "moe", "attention")
 TOPOLOGY_FIELDS = ("hardware", "nodes", "gpus_per_node")
 CORPUS_FIELDS = ("source", "max_mib", "shards")
-MOE_FIELDS = ("impl", "gemm", "te_gemm_path", "fp8", "exchange", "attention_residuals")
-FIELDS = {"topology": TOPOLOGY_FIELDS, "corpus": CORPUS_FIELDS, "moe": MOE_FIELDS}  # sections with fixed fields
+MOE_FIELDS = tuple(settings.CHOICES)
+ATTENTION_FIELDS = ("residuals",)
+# sections with fixed fields
+FIELDS = {"topology": TOPOLOGY_FIELDS, "corpus": CORPUS_FIELDS, "moe": MOE_FIELDS, "attention": ATTENTION_FIELDS}
+# Fields that moved to another section: old "section.field" -> new "section.field".
+MOVED = {"moe.attention_residuals": "attention.residuals"}
 # Command-line prefixes that address a section other than `maxtext`.
 PREFIXES = {
     "env": "env",
@@ -46,6 +52,7 @@ PREFIXES = {
     "topology": "topology",
     "corpus": "corpus",
     "moe": "moe",
+    "attention": "attention",
 }
 COMMAND_LINE = "command line"
 
@@ -63,7 +70,7 @@ class Composition:
     name: str
     description: str = ""
     sections: dict[str, dict[str, Value]] = field(
-        default_factory=lambda: {s: {} for s in ("maxtext", "env", "xla_flags", "topology", "corpus", "moe")}
+        default_factory=lambda: {s: {} for s in SECTIONS if s not in ("description", "include")}
     )
     files: list[str] = field(default_factory=list)
 
@@ -139,6 +146,9 @@ def _check_key(section: str, key: str, where: str) -> None:
                 source=where,
                 fix="see MaxText's configs/base.yml for the keys it accepts.",
             )
+    elif f"{section}.{key}" in MOVED:
+        new = MOVED[f"{section}.{key}"]
+        raise UserError(f"has moved to {new}.", key=f"{section}.{key}", source=where, fix=f"write {new} instead.")
     elif section in FIELDS and key not in FIELDS[section]:
         raise UserError(
             f"unknown {section} field.{suggest(key, FIELDS[section])}",
@@ -208,7 +218,8 @@ def parse_override(text: str) -> tuple[str, str, Any]:
             raise UserError(
                 f"unknown prefix '{prefix}' in '{dotted}'.{suggest(prefix, tuple(PREFIXES))}",
                 source=COMMAND_LINE,
-                fix="use a MaxText key, or env.NAME, xla.FLAG, topology.FIELD, corpus.FIELD, moe.FIELD.",
+                fix="use a MaxText key, or env.NAME, xla.FLAG, topology.FIELD, corpus.FIELD, moe.FIELD, "
+                "attention.FIELD.",
             )
         section, key = PREFIXES[prefix], rest
     try:

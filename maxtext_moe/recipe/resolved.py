@@ -12,6 +12,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from maxtext_moe.moe.settings import MoeSettings
 from maxtext_moe.recipe import maxtext_keys
 from maxtext_moe.recipe.hardware import Hardware, profile
 
@@ -60,9 +61,15 @@ class ResolvedRecipe:
     env: dict[str, str]
     topology: Topology
     corpus: dict[str, Any] | None
-    moe: dict[str, Any] = field(default_factory=lambda: {"impl": "maxtext"})  # see validate.MOE_CHOICES
+    moe: dict[str, Any] = field(default_factory=lambda: {"impl": "maxtext"})  # MoeSettings.to_dict()
+    attention: dict[str, Any] = field(default_factory=lambda: {"residuals": "recompute"})  # validate._attention
     sources: dict[str, str] = field(default_factory=dict)  # "maxtext.steps" -> file or "command line"
     files: list[str] = field(default_factory=list)
+
+    @property
+    def moe_settings(self) -> MoeSettings:
+        """The `moe` section as code reads it: typed, with every default filled in."""
+        return MoeSettings.from_dict(self.moe)
 
     def effective(self, key: str) -> Any:
         """A MaxText key's value as MaxText will see it: recipe, else model file, else base.yml."""
@@ -91,6 +98,7 @@ class ResolvedRecipe:
             "topology": asdict(self.topology) | {"num_devices": self.topology.num_devices},
             "corpus": self.corpus,
             "moe": self.moe,
+            "attention": self.attention,
             "sources": self.sources,
             "files": self.files,
         }

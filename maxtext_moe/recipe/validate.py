@@ -1,11 +1,11 @@
 """Check a composed recipe and turn it into a `ResolvedRecipe`.
 
-MaxText's own pydantic model checks types and some values, but only once jax has started, and
-its messages name neither the file a value came from nor the hardware it will run on; many
-mistakes that matter for DeepSeek-V3 on GPUs (the TPU-only `megablox` kernel left on, MXFP8 experts
-on a Hopper, an expert-parallel size that does not divide the experts, a mesh that does not match
-the cluster) it accepts and fails on later, or never. These checks run first, without jax, and
-each error names the key, the file and the fix. `maxtext_check` then runs MaxText's own model.
+MaxText's own pydantic model checks types and some values, but only once jax has started, and its messages
+name neither the file a value came from nor the hardware it will run on; many mistakes that matter for
+DeepSeek-V3 on GPUs (the TPU-only `megablox` kernel left on, MXFP8 experts on a Hopper, an expert-parallel
+size that does not divide the experts, a mesh that does not match the cluster) it accepts and fails on
+later, or never. These checks run first, without jax, and each error names the key, the file and the fix;
+`maxtext_check` then runs MaxText's model. The `moe:` section's own checks are in `moe/settings.py`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 from maxtext_moe.data import corpus as corpus_files
 from maxtext_moe.data import prepared
 from maxtext_moe.errors import UserError
+from maxtext_moe.moe.settings import MoeSettings
 from maxtext_moe.recipe import maxtext_keys
 from maxtext_moe.recipe.composition import Composition, suggest
 from maxtext_moe.recipe.hardware import PROFILES, Hardware
@@ -36,15 +37,8 @@ FP8_QUANTIZATIONS = {
 }
 MXFP8 = "te_mxfp8"
 
-MOE_CHOICES = {
-    "impl": ("maxtext", "ours"),
-    "gemm": ("te", "tokamax", "ragged_dot"),
-    "te_gemm_path": ("auto", "v1", "v2"),
-    "fp8": ("none", "current_scaling"),
-    "exchange": ("auto", "all_to_all", "ragged_all_to_all"),
-    "attention_residuals": ("recompute", "save"),
-}
-# Attention kernels whose forward outputs `moe.attention_residuals: save` keeps (remat.ATTENTION_FORWARD_PRIMITIVES)
+RESIDUALS = ("recompute", "save")  # attention.residuals
+# Attention kernels whose forward outputs `attention.residuals: save` keeps (remat.ATTENTION_FORWARD_PRIMITIVES)
 FLASH_ATTENTION = ("cudnn_flash_jax", "cudnn_flash_te")
 
 # key -> (predicate, what the value must be)
@@ -262,63 +256,11 @@ class _Checker:
             )
 
 
-def _moe(comp: Composition, check: _Checker, hw: Hardware) -> dict[str, Any]:
-    """The `moe` section with defaults: MaxText's own block unless `impl: ours` asks for ours."""
-    sec = comp.sections["moe"]
-    for key, v in sec.items():
-        if v.value not in MOE_CHOICES[key]:
-            raise UserError(
-                f"must be one of {', '.join(MOE_CHOICES[key])}, got {v.value!r}.", key=f"moe.{key}", source=v.source
-            )
-    impl = sec["impl"].value if "impl" in sec else "maxtext"
-    if impl == "maxtext":
-        # An explicit `impl: maxtext` (say, a command-line override of a recipe using ours) drops our
-        # block's settings; setting them with no impl at all is a mistake worth a message.
-        extra = next((k for k in sec if k != "impl"), None)
-        if extra and "impl" not in sec:
-            raise UserError(
-                "applies only to moe.impl: ours; MaxText's own block is tuned with MaxText keys "
-                "(use_tokamax_gmm, te_moe_block).",
-                key=f"moe.{extra}",
-                source=sec[extra].source,
-                fix="set moe.impl: ours, or remove it.",
-            )
-        return {"impl": impl}
-    where = sec["impl"].source
-    gemm = sec["gemm"].value if "gemm" in sec else ("te" if hw.maxtext_hardware == "gpu" else "ragged_dot")
-    if gemm == "te" and hw.maxtext_hardware != "gpu":
-        raise UserError(
-            f"is te, but Transformer Engine's grouped GEMM needs an NVIDIA GPU and this recipe runs on {hw.name}.",
-            key="moe.gemm",
-            source=sec["gemm"].source if "gemm" in sec else where,
-            fix="use moe.gemm: ragged_dot (or tokamax) on the CPU.",
-        )
-    fp8 = sec["fp8"].value if "fp8" in sec else "none"
-    if fp8 != "none":
-        # MaxText's TE block has FP8 experts only as MXFP8 (Blackwell); ours adds TE's current scaling (Hopper too).
-        if not hw.fp8:
-            raise UserError(
-                f"is {fp8}, but {hw.name} has no FP8 matrix units.",
-                key="moe.fp8",
-                source=sec["fp8"].source,
-                fix="set moe.fp8: none, or run on an FP8 GPU (topology.hardware: h100, h200, gb200, gb300).",
-            )
-        if gemm != "te":
-            raise UserError(
-                f"is {fp8}, but FP8 expert GEMMs run on Transformer Engine's grouped GEMM only, and "
-                f"moe.gemm is {gemm}.",
-                key="moe.fp8",
-                source=sec["fp8"].source,
-                fix="set moe.gemm: te, or moe.fp8: none.",
-            )
-    exchange = sec["exchange"].value if "exchange" in sec else "auto"
-    if exchange == "ragged_all_to_all" and hw.maxtext_hardware != "gpu":
-        raise UserError(
-            f"is ragged_all_to_all, which XLA implements on GPUs only, and this recipe runs on {hw.name}.",
-            key="moe.exchange",
-            source=sec["exchange"].source,
-            fix="use moe.exchange: auto (or all_to_all).",
-        )
+def _moe(comp: Composition, check: _Checker, hw: Hardware) -> MoeSettings:
+    """The `moe` section with defaults (`MoeSettings`), and the checks of it against MaxText keys."""
+    settings = MoeSettings.from_section(comp.sections["moe"], hw)
+    if not settings.ours:
+        return settings
     if check.value("decoder_block") != "deepseek":
         check.fail(
             "decoder_block",
@@ -344,7 +286,7 @@ def _moe(comp: Composition, check: _Checker, hw: Hardware) -> dict[str, Any]:
         return next((k for net in ("ici", "dcn") if check.value(k := f"{net}_{axis}_parallelism") != 1), None)
 
     expert_parallel = split("expert") is not None
-    # Our dispatch runs over the mesh axis `expert` (`integration.py`); these MaxText EP variants use others.
+    # Our dispatch runs over the mesh axis `expert` (`deepseek_layer.py`); these MaxText EP variants use others.
     if expert_parallel and check.value("use_ring_of_experts"):
         check.fail(
             "use_ring_of_experts",
@@ -364,32 +306,35 @@ def _moe(comp: Composition, check: _Checker, hw: Hardware) -> dict[str, Any]:
             "is not 1, but moe.impl: ours does not run expert parallelism inside MaxText's pipeline stages.",
             "set it to 1, or use moe.impl: maxtext.",
         )
-    if expert_parallel and gemm == "te" and check.value("scan_layers"):
-        # Seen 5 times on two H200s (JAX 0.11.2, TE 2.20.2, one or two processes, either exchange): the
-        # Python fault handler stops in XLA's backend_compile_and_load; scan_layers: false trained.
+    if expert_parallel and settings.gemm == "te" and check.value("scan_layers"):
+        # XLA's compiler (JAX 0.11.2, TE 2.20.2) crashes in backend_compile_and_load on this combination,
+        # with either exchange and any number of processes; unrolled layers compile.
         check.fail(
             "scan_layers",
             "is true, but with moe.gemm: te and expert parallelism XLA's compiler crashes "
             "(segmentation fault) on scanned decoder layers; unrolled layers train.",
             "set scan_layers: false, or moe.gemm: tokamax.",
         )
-    residuals = sec["attention_residuals"].value if "attention_residuals" in sec else "recompute"
+    return settings
+
+
+def _attention(comp: Composition, check: _Checker) -> dict[str, str]:
+    """The `attention` section with defaults: `residuals: save` keeps flash attention's forward outputs."""
+    sec = comp.sections["attention"]
+    residuals, where = (sec["residuals"].value, sec["residuals"].source) if sec else ("recompute", None)
+    if residuals not in RESIDUALS:
+        raise UserError(
+            f"must be one of {', '.join(RESIDUALS)}, got {residuals!r}.", key="attention.residuals", source=where
+        )
     if residuals == "save" and check.value("attention") not in FLASH_ATTENTION:
         raise UserError(
             f"is save, but attention is {check.value('attention')!r}; only cuDNN flash attention's forward "
             "outputs are kept this way.",
-            key="moe.attention_residuals",
-            source=sec["attention_residuals"].source,
-            fix=f"set attention to one of {', '.join(FLASH_ATTENTION)}, or moe.attention_residuals: recompute.",
+            key="attention.residuals",
+            source=where,
+            fix=f"set attention to one of {', '.join(FLASH_ATTENTION)}, or attention.residuals: recompute.",
         )
-    return {
-        "impl": impl,
-        "gemm": gemm,
-        "te_gemm_path": sec["te_gemm_path"].value if "te_gemm_path" in sec else "auto",
-        "fp8": fp8,
-        "exchange": exchange,
-        "attention_residuals": residuals,
-    }
+    return {"residuals": residuals}
 
 
 def _env(comp: Composition) -> dict[str, str]:
@@ -437,9 +382,12 @@ def resolve(comp: Composition) -> ResolvedRecipe:
         maxtext["grain_train_files"] = corpus_files.file_pattern(corpus_files.default_dir(out))
         sources["maxtext.grain_train_files"] = f"derived from the corpus section ({sources.get('corpus.source')})"
     prepared.resolve_train_files(maxtext, sources)
-    moe = _moe(comp, check, hw)
+    moe = _moe(comp, check, hw).to_dict()
     for key in moe:
         sources.setdefault(f"moe.{key}", f"default for {hw.name}" if key == "gemm" else "default")
+    attention = _attention(comp, check)
+    for key in attention:
+        sources.setdefault(f"attention.{key}", "default")
     return ResolvedRecipe(
         name=comp.name,
         description=comp.description,
@@ -448,6 +396,7 @@ def resolve(comp: Composition) -> ResolvedRecipe:
         topology=topo,
         corpus=corpus,
         moe=moe,
+        attention=attention,
         sources=sources,
         files=list(comp.files),
     )

@@ -137,12 +137,12 @@ def train(
                 resolved.corpus, source, corpus.default_dir(rp.output), log=out
             )
     with _maxtext_logging(proc.per_process(rp.log), verbose):
-        if resolved.moe["impl"] == "ours":  # before MaxText builds the model; after jax.distributed is up (TE probe)
+        if resolved.moe_settings.ours:  # before MaxText builds the model; after jax.distributed is up (TE probe)
             from maxtext_moe.upstream import deepseek_layer
 
-            deepseek_layer.install(resolved.moe)
-            if resolved.moe["attention_residuals"] == "save":
-                remat.install()
+            deepseek_layer.install(resolved.moe_settings)
+        if resolved.attention["residuals"] == "save":
+            remat.install()
         config = maxtext_config.check(maxtext, resolved.sources)
         out(
             f"{resolved.name}: {config.num_decoder_layers} decoder layers, {resolved.topology.num_devices} device(s) "

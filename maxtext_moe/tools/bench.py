@@ -181,7 +181,7 @@ def run(
     tokens = int(round(timed[0]["perf/per_device_tokens"] * devices))
     gflops = flops.total / 1e9
     tflops = gflops * 1e9 * tokens / median / devices / 1e12
-    fp8 = any("fp8" in str(resolved.effective(k) or "") for k in FP8_KEYS) or resolved.moe.get("fp8", "none") != "none"
+    fp8 = any("fp8" in str(resolved.effective(k) or "") for k in FP8_KEYS) or resolved.moe_settings.expert_fp8
     return BenchResult(
         recipe=resolved.name,
         hardware=hw.name,

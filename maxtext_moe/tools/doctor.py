@@ -160,7 +160,7 @@ def te_reasons(r: ResolvedRecipe) -> list[str]:
         reasons.insert(0, "te_moe_block=true")
     if r.effective("attention") == "cudnn_flash_te":
         reasons.append("attention=cudnn_flash_te")
-    if r.moe.get("gemm") == "te":  # our MoE layer's grouped GEMMs (maxtext_moe/moe/gemm.py)
+    if r.moe_settings.ours and r.moe_settings.gemm == "te":  # our MoE layer's grouped GEMMs (maxtext_moe/moe/gemm.py)
         reasons.append("moe.gemm=te")
     return reasons
 
@@ -235,7 +235,7 @@ def compare(m: Machine, r: ResolvedRecipe) -> list[Line]:
     if m.cublaslt is not None and m.te_error is None and m.te_version is not None:
         from maxtext_moe.moe.gemm import TE_V2_MIN_CUBLASLT, te_grouped_gemm_path  # the rule training applies
 
-        requested = r.moe.get("te_gemm_path", "auto")
+        requested = r.moe_settings.te_gemm_path
         have = (
             f"cuBLASLt {m.cublaslt}, TE built with V2: {m.te_compiled_v2}; V2 needs >= {TE_V2_MIN_CUBLASLT} on Hopper"
         )

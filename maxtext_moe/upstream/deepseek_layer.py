@@ -5,6 +5,12 @@ builds `moe.RoutedAndSharedMoE` directly, and `NNXDecoder.get_decoder_layers` pi
 reading the module attribute `maxtext.models.deepseek.DeepSeekMoELayer` each time a model is built (for the
 decoder stack and the MTP layer alike). So `install` rebinds exactly that one symbol to a subclass.
 
+MaxText constructs the layer class itself, with its own arguments, so our settings cannot reach the
+layer as a constructor argument. `install` therefore creates a fresh subclass of `OurDeepSeekMoELayer`
+per call, carrying ONE class attribute, `settings` (the recipe's `MoeSettings`): models built before a
+later `install` keep the class, and so the settings, they were built with, and no shared class is
+mutated.
+
 The subclass keeps MaxText's `__init__`, so the parameters are MaxText's own: same tree
 (`DeepSeekMoeBlock_0/{MoeBlock_0/{gate/{kernel,bias}, wi_0, wi_1, wo}, shared_experts/...}`), shapes,
 logical shardings, initialisers and RNG order; checkpoints move freely between `impl: maxtext` and
@@ -16,12 +22,12 @@ load-balance loss (MaxText's own loss functions, fed our routing) and the aux-lo
 (MaxText's `load_balance_updates_from_counts` on our expert counts; the loop adds it to the gate bias).
 
 Expert parallelism: when MaxText's mesh has an `expert` axis of size > 1, the routed experts run through
-`dispatch.ep_routed_sharded` under `shard_map` over MaxText's own mesh, sharded as MaxText's
+`expert_parallel.ep_routed_sharded` under `shard_map` over MaxText's own mesh, sharded as MaxText's
 `sparse_matmul` shards them: tokens by the logical axes (`activation_batch`, or `decode_batch_moe` for a
 batch of 1, and `activation_norm_length`), experts by their first dimension over `expert`. The exchange is
 `moe.exchange` (`exchange_impl`): by default XLA's dense all-to-all, on CPUs and GPUs alike. The receive
 buffers follow MaxText's `ragged_buffer_factor` (-1: dropless worst case; > 0: that many times the balanced
-rows, and a step that would need more stops with an error, see dispatch.py).
+rows, and a step that would need more stops with an error, see moe/receive.py).
 
 We rebind the DeepSeek layer rather than `moe.RoutedAndSharedMoE` or `moe.RoutedMoE` because those are
 shared by other models and by `maxtext_block.py`, our yardstick, which must stay MaxText's block.
@@ -29,6 +35,7 @@ shared by other models and by `maxtext_block.py`, our yardstick, which must stay
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, ClassVar
 
@@ -39,10 +46,10 @@ from maxtext.layers import moe as mt_moe
 from maxtext.models import deepseek
 
 from maxtext_moe.errors import UserError
-from maxtext_moe.moe import dispatch, gemm
-from maxtext_moe.moe.gemm import Backend, Fp8
+from maxtext_moe.moe import expert_parallel, gemm
 from maxtext_moe.moe.layer import MoEConfig, Params, gate_logits, routed_experts
 from maxtext_moe.moe.routing import Routing, RoutingConfig
+from maxtext_moe.moe.settings import EP_AXIS, ExpertPath, Impl, MoeSettings
 
 log = logging.getLogger(__name__)
 
@@ -50,17 +57,16 @@ log = logging.getLogger(__name__)
 _DEEPSEEK_ROUTING_MODELS = ("deepseek3", "kimi-k2")
 
 
-def moe_config(config: Any, fp8: Fp8 = "none") -> MoEConfig:
-    """Our layer's shape from MaxText's config, with the recipe's `moe.fp8` (MaxText has no such key). The
-    dropless host check is off: the expert ids come from `top_k` over exactly `num_experts` columns, so they
-    are in range, and a host callback per layer per step would stall the GPU."""
+def moe_config(config: Any) -> MoEConfig:
+    """Our layer's shape from MaxText's config. The dropless host check is off: the expert ids come from
+    `top_k` over exactly `num_experts` columns, so they are in range, and a host callback per layer per
+    step would stall the GPU."""
     grouped = config.n_routing_groups > 1
     return MoEConfig(
         emb_dim=config.emb_dim,
         moe_mlp_dim=config.moe_mlp_dim,
         shared_mlp_dim=config.shared_experts * config.moe_mlp_dim,
         check_dropless=False,
-        fp8=fp8,
         routing=RoutingConfig(
             num_experts=config.num_experts,
             top_k=config.num_experts_per_tok,
@@ -90,7 +96,7 @@ def unsupported(config: Any, layer: deepseek.DeepSeekMoELayer) -> list[str]:
         "moe_expert_input_dim != emb_dim": config.moe_expert_input_dim > 0
         and config.moe_expert_input_dim != config.emb_dim,
         f"expert axis {routed._expert_parallelism_name!r} (ours dispatches over the mesh axis 'expert' only)": (
-            routed._expert_parallelism_name != dispatch.EP_AXIS
+            routed._expert_parallelism_name != EP_AXIS
         ),
         "use_ring_of_experts=true (MaxText's own expert-parallel scheme)": bool(config.use_ring_of_experts)
         and routed.get_expert_parallelism_size() > 1,
@@ -108,9 +114,7 @@ def unsupported(config: Any, layer: deepseek.DeepSeekMoELayer) -> list[str]:
 class OurDeepSeekMoELayer(deepseek.DeepSeekMoELayer):
     """MaxText's DeepSeek MoE decoder layer whose routed experts run on our layer (see the module docstring)."""
 
-    backend: ClassVar[Backend] = "ragged_dot"  # set by `install`
-    fp8: ClassVar[Fp8] = "none"  # set by `install`
-    exchange: ClassVar[str] = "auto"  # set by `install` (`moe.exchange`)
+    settings: ClassVar[MoeSettings] = MoeSettings(impl="ours")  # each `install` subclass carries its own
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
@@ -121,15 +125,16 @@ class OurDeepSeekMoELayer(deepseek.DeepSeekMoELayer):
                 key="moe.impl",
                 fix="use moe.impl: maxtext for this model, or change those keys.",
             )
-        self.our_moe_config = moe_config(config, self.fp8)
+        self.our_moe_config = moe_config(config)
         routed = self.DeepSeekMoeBlock_0.MoeBlock_0
+        self.expert_path = ExpertPath.of(self.settings, routed.get_ragged_buffer_factor())
         ranks = routed.get_expert_parallelism_size()
         if ranks > 1:
             log.info(
                 "moe.impl=ours: expert parallelism %d (exchange %s, ragged_buffer_factor %s)",
                 ranks,
-                exchange_impl(routed.mesh, self.exchange),
-                routed.get_ragged_buffer_factor(),
+                exchange_impl(routed.mesh, self.settings),
+                self.expert_path.buffer_factor,
             )
 
     def mlp_op(self, x: jax.Array, deterministic: bool, *args: Any, **kwargs: Any):
@@ -140,9 +145,9 @@ class OurDeepSeekMoELayer(deepseek.DeepSeekMoELayer):
         tokens = x.reshape(-1, cfg.emb_dim)
         params = _routed_params(block.MoeBlock_0, cfg.routing.num_experts)
         if block.MoeBlock_0.get_expert_parallelism_size() > 1:
-            routed, routing = _expert_parallel(block.MoeBlock_0, params, x, cfg, self.backend, self.exchange)
+            routed, routing = _expert_parallel(block.MoeBlock_0, params, x, cfg, self.settings, self.expert_path)
         else:
-            routed, routing = routed_experts(params, tokens, cfg, self.backend)
+            routed, routing = routed_experts(params, tokens, cfg, self.expert_path)
         shared = block.shared_experts(
             x, intermediate_sharding=self.mlp_intermediate_sharding, out_sharding=self.out_sharding
         )
@@ -165,38 +170,29 @@ def _routed_params(routed: mt_moe.RoutedMoE, num_experts: int) -> Params:
     }
 
 
-def exchange_impl(mesh: Mesh, requested: str) -> dispatch.Impl:
-    """The EP exchange (`moe.exchange`): "auto" is XLA's dense all-to-all of per-destination blocks, which
-    runs on every backend and across processes; "ragged_all_to_all" (GPUs only) sends no padding but, with
-    one process per GPU, completed no step on two H200s unless XLA's decomposer flag is set (which pads
-    more than "all_to_all" does); see `dispatch._dense_ragged_all_to_all` and docs/PERFORMANCE.md."""
-    if requested == "ragged_all_to_all" and not all(d.platform == "gpu" for d in mesh.devices.flat):
+def exchange_impl(mesh: Mesh, settings: MoeSettings) -> Impl:
+    """The EP exchange (`moe.exchange`, `MoeSettings.exchange_impl`), refused on a mesh that is not all GPUs
+    when it is "ragged_all_to_all" (XLA:CPU does not implement it); see `exchange._dense_ragged_all_to_all`
+    for why "auto" is XLA's dense all-to-all, and docs/PERFORMANCE.md."""
+    if settings.exchange == "ragged_all_to_all" and not all(d.platform == "gpu" for d in mesh.devices.flat):
         raise UserError(
             "moe.exchange ragged_all_to_all needs GPUs (XLA:CPU does not implement it).",
             key="moe.exchange",
             fix="use moe.exchange: auto.",
         )
-    return "ragged_all_to_all" if requested == "ragged_all_to_all" else "all_to_all"
+    return settings.exchange_impl
 
 
 def _expert_parallel(
-    routed: mt_moe.RoutedMoE, params: Params, x: jax.Array, cfg: MoEConfig, backend: Backend, exchange: str
+    routed: mt_moe.RoutedMoE, params: Params, x: jax.Array, cfg: MoEConfig, settings: MoeSettings, path: ExpertPath
 ) -> tuple[jax.Array, Routing]:
     """The routed experts over MaxText's mesh through our dispatch: (float32 [tokens, D], routing), with the
     token sharding MaxText's `sparse_matmul` gives its MoE input and its `ragged_buffer_factor`."""
     batch_axis = "activation_batch" if x.shape[0] > 1 else "decode_batch_moe"  # as `is_batch_sharded_by_ep`
     spec = routed._logical_to_mesh_axes((batch_axis, "activation_norm_length", None))
-    out, routing = dispatch.ep_routed_sharded(
-        params,
-        x,
-        cfg,
-        routed.mesh,
-        token_spec=spec,
-        axis_name=dispatch.EP_AXIS,
-        backend=backend,
-        impl=exchange_impl(routed.mesh, exchange),
-        buffer_factor=routed.get_ragged_buffer_factor(),
-        check_vma=bool(routed.config.check_vma),
+    path = dataclasses.replace(path, exchange=exchange_impl(routed.mesh, settings), axis_name=EP_AXIS)
+    out, routing = expert_parallel.ep_routed_sharded(
+        params, x, cfg, routed.mesh, token_spec=spec, path=path, check_vma=bool(routed.config.check_vma)
     )
     return out.reshape(-1, cfg.emb_dim), routing
 
@@ -227,31 +223,30 @@ def _bias_update(config: Any, routing: Routing) -> jax.Array | None:
     return mt_moe.load_balance_updates_from_counts(routing.counts, config.num_experts, config.routed_bias_update_rate)
 
 
-def install(moe: dict[str, Any]) -> None:
-    """Make every DeepSeek decoder MaxText builds from now on in this process run our routed experts.
+def install(settings: MoeSettings) -> type[OurDeepSeekMoELayer]:
+    """Make every DeepSeek decoder MaxText builds from now on in this process run our routed experts, as
+    `settings` (the recipe's `moe` section, impl "ours") says; returns the layer class MaxText will build.
 
-    `moe` is `ResolvedRecipe.moe` with impl "ours". With gemm "te" the TE grouped-GEMM path is chosen
-    here, once (it needs the devices up: call this after `jax.distributed` is initialised). `fp8` (validated
-    with the recipe; absent means "none") goes into every layer's `MoEConfig`.
+    A fresh subclass per call carries the settings (see the module docstring). With gemm "te" the TE
+    grouped-GEMM path is chosen here, once (it needs the devices up: call this after `jax.distributed` is
+    initialised).
     """
-    if moe.get("impl") != "ours":
-        raise UserError(f"integration.install is for moe.impl: ours, got {moe.get('impl')!r}.")
-    backend = moe["gemm"]
-    if backend not in gemm.BACKENDS:
+    if not settings.ours:
+        raise UserError(f"deepseek_layer.install is for moe.impl: ours, got {settings.impl!r}.")
+    if settings.gemm not in gemm.BACKENDS:
         raise UserError(
-            f"unknown grouped-GEMM backend {backend!r}.",
+            f"unknown grouped-GEMM backend {settings.gemm!r}.",
             key="moe.gemm",
             fix=f"choose one of {', '.join(gemm.BACKENDS)}.",
         )
-    if backend == "te":
-        gemm.select_te_grouped_gemm_path(moe["te_gemm_path"])
-    OurDeepSeekMoELayer.backend = backend
-    OurDeepSeekMoELayer.fp8 = moe.get("fp8", "none")
-    OurDeepSeekMoELayer.exchange = moe.get("exchange", "auto")
-    deepseek.DeepSeekMoELayer = OurDeepSeekMoELayer
-    fp8 = OurDeepSeekMoELayer.fp8
+    if settings.gemm == "te":
+        gemm.select_te_grouped_gemm_path(settings.te_gemm_path)
+    layer = type(OurDeepSeekMoELayer.__name__, (OurDeepSeekMoELayer,), {"settings": settings})
+    layer.__qualname__ = OurDeepSeekMoELayer.__qualname__
+    deepseek.DeepSeekMoELayer = layer
     log.info(
         "moe.impl=ours: maxtext.models.deepseek.DeepSeekMoELayer -> %s (grouped GEMM %s)",
-        OurDeepSeekMoELayer.__qualname__,
-        backend if fp8 == "none" else f"{backend}, FP8 {fp8}",
+        layer.__qualname__,
+        settings.gemm if settings.fp8 == "none" else f"{settings.gemm}, FP8 {settings.fp8}",
     )
+    return layer

@@ -1,4 +1,4 @@
-"""Keep flash attention's forward outputs through MaxText's remat policy (`moe.attention_residuals: save`).
+"""Keep flash attention's forward outputs through MaxText's remat policy (`attention.residuals: save`).
 
 The gap: MaxText 0.2.5's remat policies are lists of tensor names (`save_only_these_names`). Its cuDNN
 attention (`attention: cudnn_flash_jax`) names the output and the softmax statistics "context", but the

@@ -43,9 +43,10 @@ _SHARDED_VS_ONE_DEVICE = textwrap.dedent("""
     import json
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, PartitionSpec as P
-    from maxtext_moe.moe import dispatch
+    from maxtext_moe.moe import expert_parallel, send_plan
     from maxtext_moe.moe.layer import MoEConfig, gate_logits, init_params, routed_experts
     from maxtext_moe.moe.routing import RoutingConfig, route
+    from maxtext_moe.moe.settings import ExpertPath
 
     cfg = MoEConfig(emb_dim=32, moe_mlp_dim=16, shared_mlp_dim=16, check_dropless=False,
                     routing=RoutingConfig(num_experts=16, top_k=4, n_groups=4, topk_groups=2))
@@ -55,12 +56,12 @@ _SHARDED_VS_ONE_DEVICE = textwrap.dedent("""
     mesh = Mesh(np.array(jax.devices()).reshape(1, 2), ("data", "expert"))
 
     def sharded(p, x, factor):
-        out, _ = dispatch.ep_routed_sharded(p, x, cfg, mesh, token_spec=P(("data", "expert"), None, None),
-                                            impl="all_to_all", buffer_factor=factor)
+        out, _ = expert_parallel.ep_routed_sharded(p, x, cfg, mesh, token_spec=P(("data", "expert"), None, None),
+                                                   path=ExpertPath(exchange="all_to_all", buffer_factor=factor))
         return out.reshape(-1, 32)
 
     def one(p, x):
-        return routed_experts(p, x.reshape(-1, 32), cfg, "ragged_dot")[0]
+        return routed_experts(p, x.reshape(-1, 32), cfg, ExpertPath())[0]
 
     def loss(f):
         return jax.jit(jax.value_and_grad(lambda p, x: jnp.sum(f(p, x) * cot), (0, 1)))(p, x)
@@ -76,7 +77,7 @@ _SHARDED_VS_ONE_DEVICE = textwrap.dedent("""
     halves = x.reshape(2, -1, 32)
     ids = [route(gate_logits(h, p["gate"]["kernel"]), p["gate"]["bias"], cfg.routing).indices
            for h in halves]
-    plans = [dispatch.plan_dispatch(i, jnp.ones(i.shape), 16, 2) for i in ids]
+    plans = [send_plan.plan_dispatch(i, jnp.ones(i.shape), 16, 2) for i in ids]
     needed = int(np.max(sum(np.asarray(pl.send_counts) for pl in plans)))
     copies = int(np.max(np.bincount(np.concatenate([np.asarray(i).ravel() for i in ids]) // 8, minlength=2)))
     balanced, balanced_copies = plans[0].row_token.shape[0], halves.shape[1] * 4

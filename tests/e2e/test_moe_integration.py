@@ -134,15 +134,15 @@ def test_install_rebinds_the_deepseek_layer_the_decoder_builds(monkeypatch):
     from maxtext.layers.nnx_decoders import NNXDecoder
     from maxtext.models import deepseek
 
+    from maxtext_moe.moe.settings import MoeSettings
     from maxtext_moe.upstream import deepseek_layer
 
     monkeypatch.setattr(deepseek, "DeepSeekMoELayer", deepseek.DeepSeekMoELayer)  # restored after the test
-    monkeypatch.setattr(deepseek_layer.OurDeepSeekMoELayer, "backend", "ragged_dot")
-    deepseek_layer.install({"impl": "ours", "gemm": "tokamax", "te_gemm_path": "auto"})
+    installed = deepseek_layer.install(MoeSettings(impl="ours", gemm="tokamax"))
     config = SimpleNamespace(decoder_block=deepseek.DecoderBlockType.DEEPSEEK, scan_layers=True)
     layers = NNXDecoder.get_decoder_layers(SimpleNamespace(config=config))
-    assert layers == [deepseek.DeepSeekDenseLayer, deepseek_layer.OurDeepSeekMoELayer]
-    assert deepseek_layer.OurDeepSeekMoELayer.backend == "tokamax"
+    assert layers == [deepseek.DeepSeekDenseLayer, installed]
+    assert issubclass(installed, deepseek_layer.OurDeepSeekMoELayer) and installed.settings.gemm == "tokamax"
 
 
 def test_doctor_requires_te_for_our_te_gemm():

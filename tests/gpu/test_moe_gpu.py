@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +10,7 @@ import pytest
 from maxtext_moe.moe.layer import MoEConfig, init_params, moe_forward
 from maxtext_moe.moe.reference import moe_reference
 from maxtext_moe.moe.routing import RoutingConfig
+from maxtext_moe.moe.settings import ExpertPath
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,15 +37,15 @@ def rel(a: jax.Array, b: jax.Array) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def check_against_reference(cfg: MoEConfig, backend: str, tol: tuple[float, float]) -> np.ndarray:
+def check_against_reference(cfg: MoEConfig, path: ExpertPath, tol: tuple[float, float]) -> np.ndarray:
     """Forward and dL/dx of the BF16 layer within `tol` (relative L2) of the float32 reference, all finite;
     returns the expert group sizes the layer ran with."""
     params = init_params(jax.random.key(0), cfg, jnp.bfloat16)
     x = jax.random.normal(jax.random.key(1), (1024, cfg.emb_dim), jnp.bfloat16)
     cot = jax.random.normal(jax.random.key(2), x.shape, jnp.float32)
-    loss = lambda x: jnp.sum(moe_forward(params, x, cfg, backend)[0].astype(jnp.float32) * cot)  # noqa: E731
+    loss = lambda x: jnp.sum(moe_forward(params, x, cfg, path)[0].astype(jnp.float32) * cot)  # noqa: E731
     loss_ref = lambda x: jnp.sum(moe_reference(params, x, cfg) * cot)  # noqa: E731
-    y, routing = jax.jit(moe_forward, static_argnums=(2, 3))(params, x, cfg, backend)
+    y, routing = jax.jit(moe_forward, static_argnums=(2, 3))(params, x, cfg, path)
     dx, dx_ref = jax.jit(jax.grad(loss))(x), jax.jit(jax.grad(loss_ref))(x.astype(jnp.float32))
     assert np.isfinite(np.asarray(y, np.float32)).all() and np.isfinite(np.asarray(dx, np.float32)).all()
     assert rel(y, moe_reference(params, x, cfg)) < tol[0]
@@ -56,13 +55,13 @@ def check_against_reference(cfg: MoEConfig, backend: str, tol: tuple[float, floa
 
 @pytest.mark.parametrize("backend", ["ragged_dot", "tokamax", "te"])
 def test_backend_forward_and_grad_close_to_reference(backend: str) -> None:
-    check_against_reference(CFG, backend, BF16_TOL)
+    check_against_reference(CFG, ExpertPath(backend=backend), BF16_TOL)
 
 
 def test_te_fp8_current_scaling_close_to_reference() -> None:
     """TE's FP8 grouped GEMM with current scaling on unaligned expert groups (random routing: about 256 rows
     per expert, not multiples of 16), padded to 16 rows per group by `align.py`."""
-    sizes = check_against_reference(dataclasses.replace(CFG, fp8="current_scaling"), "te", FP8_TOL)
+    sizes = check_against_reference(CFG, ExpertPath(backend="te", fp8="current_scaling"), FP8_TOL)
     assert np.any(sizes % 16), "the groups happened to be aligned: the padding went untested"
 
 

@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 
 from maxtext_moe.errors import UserError
-from maxtext_moe.moe import dispatch, gemm
+from maxtext_moe.moe import expert_parallel, gemm
 from maxtext_moe.moe.align import align_groups, aligned, pad_rows, padded_rows, unpad_rows
 from maxtext_moe.moe.layer import MoEConfig, init_params, moe_forward
 from maxtext_moe.moe.routing import RoutingConfig
+from maxtext_moe.moe.settings import ExpertPath
 
 K, N = 8, 5
 
@@ -165,9 +166,9 @@ def test_te_fp8_call_aligns_groups_and_builds_the_quantizer_set(monkeypatch: pyt
 
 
 def test_fp8_modes_agree_with_recipe_choices() -> None:
-    from maxtext_moe.recipe.validate import MOE_CHOICES
+    from maxtext_moe.moe.settings import CHOICES
 
-    assert MOE_CHOICES["fp8"] == gemm.FP8_MODES
+    assert CHOICES["fp8"] == gemm.FP8_MODES
 
 
 CFG = MoEConfig(
@@ -175,21 +176,21 @@ CFG = MoEConfig(
     moe_mlp_dim=16,
     shared_mlp_dim=16,
     routing=RoutingConfig(num_experts=8, top_k=2, n_groups=1, topk_groups=1),
-    fp8="current_scaling",
 )
+FP8 = ExpertPath(fp8="current_scaling")
 
 
 def test_fp8_reaches_the_grouped_gemm_on_one_device() -> None:
-    """`MoEConfig.fp8` is what the layer passes to every grouped GEMM: on a non-TE backend it is refused."""
+    """`ExpertPath.fp8` is what the layer passes to every grouped GEMM: on a non-TE backend it is refused."""
     params = init_params(jax.random.key(3), CFG, jnp.float32)
     with pytest.raises(UserError, match="TE's grouped GEMM only"):
-        moe_forward(params, jnp.ones((4, CFG.emb_dim)), CFG, "ragged_dot")
+        moe_forward(params, jnp.ones((4, CFG.emb_dim)), CFG, FP8)
 
 
 def test_fp8_reaches_the_grouped_gemm_under_expert_parallelism() -> None:
     params = init_params(jax.random.key(4), CFG, jnp.float32)
     with pytest.raises(UserError, match="TE's grouped GEMM only"):
-        dispatch.ep_moe_forward_emulated(params, jnp.ones((8, CFG.emb_dim)), CFG, 2)
+        expert_parallel.ep_moe_forward_emulated(params, jnp.ones((8, CFG.emb_dim)), CFG, 2, FP8)
 
 
 def test_unknown_fp8_mode_is_a_user_error() -> None:

@@ -1,4 +1,4 @@
-"""Expert-parallel dispatch with per-rank dedup against the single-device layer (CPU; one GPU test)."""
+"""Expert-parallel dispatch with per-rank dedup against the single-device layer (CPU; GPU tests: tests/gpu)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 
 from maxtext_moe.errors import UserError
-from maxtext_moe.moe import dispatch
+from maxtext_moe.moe import expert_parallel, receive, send_plan
+from maxtext_moe.moe.exchange import exchange
 from maxtext_moe.moe.layer import MoEConfig, init_params, moe_forward
 from maxtext_moe.moe.reference import moe_reference
 from maxtext_moe.moe.routing import RoutingConfig
+from maxtext_moe.moe.settings import EP_AXIS, ExpertPath
 from maxtext_moe.run.distributed import free_port
 
 CFG = MoEConfig(
@@ -39,7 +40,9 @@ def rel(a: jax.Array, b: jax.Array) -> float:
 
 
 def ep_forward(ranks: int, dedup: bool):
-    return jax.jit(functools.partial(dispatch.ep_moe_forward_emulated, cfg=CFG, ranks=ranks, dedup=dedup))
+    return jax.jit(
+        functools.partial(expert_parallel.ep_moe_forward_emulated, cfg=CFG, ranks=ranks, path=ExpertPath(dedup=dedup))
+    )
 
 
 @pytest.mark.parametrize("dedup", [True, False])
@@ -48,7 +51,7 @@ def test_emulated_ep_matches_single_device_layer_and_reference(ranks: int, dedup
     params = init_params(jax.random.key(ranks), CFG, jnp.float32)
     x = jax.random.normal(jax.random.key(10 + ranks), (2, TOKENS // 2, CFG.emb_dim))
     y, routing = ep_forward(ranks, dedup)(params, x)
-    y_one, routing_one = moe_forward(params, x, CFG, "ragged_dot")
+    y_one, routing_one = moe_forward(params, x, CFG)
     np.testing.assert_array_equal(np.asarray(routing.indices), np.asarray(routing_one.indices))
     np.testing.assert_array_equal(np.asarray(routing.counts), np.asarray(routing_one.counts))
     assert y.shape == x.shape
@@ -61,9 +64,9 @@ def test_emulated_ep_gradients_match_single_device_layer(dedup: bool) -> None:
     params = init_params(jax.random.key(3), CFG, jnp.float32)
     x = jax.random.normal(jax.random.key(4), (TOKENS, CFG.emb_dim))
     cot = jax.random.normal(jax.random.key(5), x.shape)
-    ep = functools.partial(dispatch.ep_moe_forward_emulated, cfg=CFG, ranks=4, dedup=dedup)
+    ep = functools.partial(expert_parallel.ep_moe_forward_emulated, cfg=CFG, ranks=4, path=ExpertPath(dedup=dedup))
     g = jax.jit(jax.grad(lambda p, x: jnp.sum(ep(p, x)[0] * cot), (0, 1)))(params, x)
-    g_one = jax.jit(jax.grad(lambda p, x: jnp.sum(moe_forward(p, x, CFG, "ragged_dot")[0] * cot), (0, 1)))(params, x)
+    g_one = jax.jit(jax.grad(lambda p, x: jnp.sum(moe_forward(p, x, CFG)[0] * cot), (0, 1)))(params, x)
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g)[0], jax.tree.leaves(g_one), strict=True):
         if "bias" in jax.tree_util.keystr(path):
             assert not np.asarray(a).any() and not np.asarray(b).any()
@@ -74,7 +77,7 @@ def test_emulated_ep_gradients_match_single_device_layer(dedup: bool) -> None:
 def test_plan_sends_each_token_once_per_rank_with_its_local_experts() -> None:
     ids = jnp.array([[0, 1, 5], [6, 7, 4], [2, 3, 1]], jnp.int32)  # 8 experts on 2 ranks: 4 local each
     w = jnp.array([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6], [0.7, 0.8, 0.9]])
-    plan = dispatch.plan_dispatch(ids, w, num_experts=8, ranks=2)
+    plan = send_plan.plan_dispatch(ids, w, num_experts=8, ranks=2)
     np.testing.assert_array_equal(np.asarray(plan.send_counts), [2, 2])
     np.testing.assert_array_equal(np.asarray(plan.send_offsets), [0, 2])
     np.testing.assert_array_equal(np.asarray(plan.row_token), [0, 2, 0, 1, 0, 0])  # rank 0: t0, t2; rank 1: t0, t1
@@ -83,7 +86,7 @@ def test_plan_sends_each_token_once_per_rank_with_its_local_experts() -> None:
         np.asarray(plan.row_weights)[:4], [[0.1, 0.2, 0], [0.7, 0.8, 0.9], [0.3, 0, 0], [0.4, 0.5, 0.6]]
     )
     assert (np.asarray(plan.row_experts)[4:] == -1).all() and plan.peer_rows == 3
-    copies = dispatch.plan_dispatch(ids, w, num_experts=8, ranks=2, dedup=False)
+    copies = send_plan.plan_dispatch(ids, w, num_experts=8, ranks=2, dedup=False)
     np.testing.assert_array_equal(np.asarray(copies.send_counts), [5, 4])
     np.testing.assert_array_equal(np.asarray(copies.row_token), [0, 0, 2, 2, 2, 0, 1, 1, 1])
     assert copies.row_experts.shape == (9, 1) and copies.peer_rows == 9
@@ -91,12 +94,12 @@ def test_plan_sends_each_token_once_per_rank_with_its_local_experts() -> None:
 
 def test_bytes_with_dedup_never_exceed_without_and_are_equal_for_top1() -> None:
     ids = jax.random.randint(jax.random.key(6), (256, 6), 0, 32)
-    bytes_for = functools.partial(dispatch.dispatch_bytes_per_token, num_experts=32, ranks=4, hidden=8, dtype_bytes=2)
+    bytes_for = functools.partial(send_plan.dispatch_bytes_per_token, num_experts=32, ranks=4, hidden=8, dtype_bytes=2)
     assert bytes_for(ids, dedup=True) < bytes_for(ids, dedup=False)
     assert bytes_for(ids[:, :1], dedup=True) == bytes_for(ids[:, :1], dedup=False) > 0
     # Two tokens per rank on 2 ranks of 4 experts; rows a rank keeps for itself are free.
     ids = jnp.array([[4, 5], [0, 6], [0, 1], [2, 7]], jnp.int32)
-    bytes_for = functools.partial(dispatch.dispatch_bytes_per_token, num_experts=8, ranks=2, hidden=1, dtype_bytes=1)
+    bytes_for = functools.partial(send_plan.dispatch_bytes_per_token, num_experts=8, ranks=2, hidden=1, dtype_bytes=1)
     assert bytes_for(ids, dedup=False) == 6 / 4  # t0: 2 copies to rank 1; t1: 1; t2: 2 to rank 0; t3: 1 to rank 0
     assert bytes_for(ids, dedup=True) == 4 / 4
 
@@ -108,22 +111,22 @@ def test_ranks_receiving_nothing(favoured: tuple[int, ...]) -> None:
     x = jax.random.normal(jax.random.key(8), (TOKENS, CFG.emb_dim))
     y, routing = ep_forward(4, True)(params, x)
     assert set(np.unique(np.asarray(routing.indices))) == set(favoured)
-    assert rel(y, moe_forward(params, x, CFG, "ragged_dot")[0]) < 1e-6
+    assert rel(y, moe_forward(params, x, CFG)[0]) < 1e-6
 
 
-def _ranked_plans(dedup: bool) -> tuple[jax.Array, dispatch.DispatchPlan, dict]:
+def _ranked_plans(dedup: bool) -> tuple[jax.Array, send_plan.DispatchPlan, dict]:
     params = init_params(jax.random.key(9), CFG, jnp.float32)["MoeBlock_0"]
     ids = jax.random.randint(jax.random.key(10), (4, 16, CFG.routing.top_k), 0, 16)
-    plans = jax.vmap(functools.partial(dispatch.plan_dispatch, num_experts=16, ranks=4, dedup=dedup))(
+    plans = jax.vmap(functools.partial(send_plan.plan_dispatch, num_experts=16, ranks=4, dedup=dedup))(
         ids, jnp.ones(ids.shape)
     )
     shards = {n: params[n].reshape(4, 4, *params[n].shape[1:]) for n in ("wi_0", "wi_1", "wo")}
     return jax.random.normal(jax.random.key(11), (4, 16, CFG.emb_dim)), plans, shards
 
 
-def _ep_routed(x: jax.Array, plans: dispatch.DispatchPlan, shards: dict) -> jax.Array:
-    body = functools.partial(dispatch.ep_routed, backend="ragged_dot", impl="emulated")
-    return jax.vmap(body, axis_name=dispatch.EP_AXIS)(x, plans, shards)
+def _ep_routed(x: jax.Array, plans: send_plan.DispatchPlan, shards: dict) -> jax.Array:
+    body = functools.partial(expert_parallel.ep_routed, path=ExpertPath(exchange="emulated"))
+    return jax.vmap(body, axis_name=EP_AXIS)(x, plans, shards)
 
 
 @pytest.mark.parametrize("dedup", [True, False])
@@ -140,15 +143,15 @@ def test_dropless_check_fires_on_a_corrupted_plan(dedup: bool) -> None:
 
 def test_plan_rejects_experts_out_of_range_and_uneven_splits() -> None:
     with pytest.raises(UserError, match="not dropless"):
-        dispatch.plan_dispatch(jnp.array([[0, 16]], jnp.int32), jnp.ones((1, 2)), num_experts=16, ranks=4)
+        send_plan.plan_dispatch(jnp.array([[0, 16]], jnp.int32), jnp.ones((1, 2)), num_experts=16, ranks=4)
     with pytest.raises(UserError, match="does not divide"):
-        dispatch.plan_dispatch(jnp.array([[0, 1]], jnp.int32), jnp.ones((1, 2)), num_experts=16, ranks=3)
+        send_plan.plan_dispatch(jnp.array([[0, 1]], jnp.int32), jnp.ones((1, 2)), num_experts=16, ranks=3)
     with pytest.raises(UserError, match="split evenly"):
-        dispatch.ep_moe_forward_emulated(
+        expert_parallel.ep_moe_forward_emulated(
             init_params(jax.random.key(0), CFG, jnp.float32), jnp.ones((6, CFG.emb_dim)), CFG, ranks=4
         )
     with pytest.raises(UserError, match="emulated"):
-        dispatch.exchange(*[jnp.zeros(2)] * 5, rows=2, axis_name=dispatch.EP_AXIS, impl="nccl", block=1)
+        exchange(*[jnp.zeros(2)] * 5, rows=2, axis_name=EP_AXIS, impl="nccl", block=1)
 
 
 _TWO_CPU_DEVICES = textwrap.dedent("""
@@ -156,25 +159,27 @@ _TWO_CPU_DEVICES = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh
     from maxtext_moe.errors import UserError
-    from maxtext_moe.moe import dispatch
+    from maxtext_moe.moe import expert_parallel
     from maxtext_moe.moe.layer import MoEConfig, init_params, moe_forward
     from maxtext_moe.moe.routing import RoutingConfig
+    from maxtext_moe.moe.settings import EP_AXIS, ExpertPath
 
     cfg = MoEConfig(emb_dim=32, moe_mlp_dim=16, shared_mlp_dim=16,
                     routing=RoutingConfig(num_experts=16, top_k=4, n_groups=4, topk_groups=2))
     params = init_params(jax.random.key(0), cfg, jnp.float32)
     x = jax.random.normal(jax.random.key(1), (64, 32))
-    mesh = Mesh(np.array(jax.devices()), (dispatch.EP_AXIS,))
-    y = jax.jit(lambda p, x: dispatch.ep_moe_forward_sharded(p, x, cfg, mesh, impl="emulated")[0])(params, x)
-    y_one = moe_forward(params, x, cfg, "ragged_dot")[0]
+    mesh = Mesh(np.array(jax.devices()), (EP_AXIS,))
+    emulated = ExpertPath(exchange="emulated")
+    y = jax.jit(lambda p, x: expert_parallel.ep_moe_forward_sharded(p, x, cfg, mesh, emulated)[0])(params, x)
+    y_one = moe_forward(params, x, cfg)[0]
     cot = jax.random.normal(jax.random.key(2), x.shape)
     grads = jax.jit(jax.grad(lambda p, x: jnp.sum(
-        dispatch.ep_moe_forward_sharded(p, x, cfg, mesh, impl="emulated")[0] * cot), (0, 1)))(params, x)
-    grads_one = jax.grad(lambda p, x: jnp.sum(moe_forward(p, x, cfg, "ragged_dot")[0] * cot), (0, 1))(params, x)
+        expert_parallel.ep_moe_forward_sharded(p, x, cfg, mesh, emulated)[0] * cot), (0, 1)))(params, x)
+    grads_one = jax.grad(lambda p, x: jnp.sum(moe_forward(p, x, cfg)[0] * cot), (0, 1))(params, x)
     grad_rel = max(float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
                    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_one)) if jnp.any(b != 0))
     try:
-        dispatch.ep_moe_forward_sharded(params, x, cfg, mesh, impl="ragged_all_to_all")
+        expert_parallel.ep_moe_forward_sharded(params, x, cfg, mesh, ExpertPath(exchange="ragged_all_to_all"))
         error = None
     except UserError as e:
         error = str(e)
@@ -197,94 +202,18 @@ def test_sharded_path_on_two_cpu_devices() -> None:
     assert "ragged_all_to_all is not implemented on XLA:CPU; use the emulated exchange" in result["error"]
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(sum(d.platform == "gpu" for d in jax.devices()) < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("impl", ["ragged_all_to_all", "all_to_all"])
-@pytest.mark.parametrize("dedup", [True, False])
-def test_real_exchange_matches_emulation_on_two_gpus(dedup: bool, impl: str) -> None:
-    from jax.sharding import Mesh
-
-    mesh = Mesh(np.array(jax.devices()[:2]), (dispatch.EP_AXIS,))
-    params = init_params(jax.random.key(12), CFG, jnp.float32)
-    x = jax.random.normal(jax.random.key(13), (TOKENS, CFG.emb_dim))
-    cot = jax.random.normal(jax.random.key(14), x.shape)
-
-    def run(impl: str) -> tuple[jax.Array, ...]:
-        fwd = functools.partial(dispatch.ep_moe_forward_sharded, cfg=CFG, mesh=mesh, dedup=dedup, impl=impl)
-        y = jax.jit(lambda p, x: fwd(p, x)[0])(params, x)
-        return y, *jax.jit(jax.grad(lambda p, x: jnp.sum(fwd(p, x)[0] * cot), (0, 1)))(params, x)
-
-    real, emulated = run(impl), run("emulated")
-    assert rel(real[0], emulated[0]) < 1e-5
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(real[1:]), jax.tree.leaves(emulated[1:]), strict=True):
-        assert np.array_equal(np.asarray(a), np.asarray(b)) or rel(a, b) < 1e-5, jax.tree_util.keystr(path)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(sum(d.platform == "gpu" for d in jax.devices()) < 2, reason="needs 2 GPUs")
-def test_exchange_gradient_on_two_gpus_equals_autodiff_of_the_emulation() -> None:
-    """Our adjoint of the real exchange against JAX's autodiff of the all_gather emulation (plain gathers),
-    on a random ragged plan; JAX's own transpose of ragged_all_to_all is printed beside it for the record."""
-    from jax.sharding import Mesh
-
-    mesh = Mesh(np.array(jax.devices()[:2]), (dispatch.EP_AXIS,))
-    sizes = jnp.array([[3, 5], [4, 2]], jnp.int32)  # rows rank s sends rank d
-    operand = jax.random.normal(jax.random.key(0), (2 * 8, 3))
-    cot = jax.random.normal(jax.random.key(1), (2 * 9, 3))
-
-    def per_rank(op: jax.Array, sz: jax.Array, g: jax.Array, how: str) -> jax.Array:
-        send = sz[0]
-        in_off = jnp.cumsum(send) - send
-        me = jax.lax.axis_index(dispatch.EP_AXIS)
-        every = jax.lax.all_gather(send, dispatch.EP_AXIS)
-        out_off = (jnp.cumsum(every, axis=0) - every)[me]  # where my rows land in each destination
-        recv = every[:, me]
-        args = (in_off, send, out_off, recv)
-        if how == "ours":
-
-            def f(o):
-                return dispatch.exchange(
-                    o, *args, rows=9, axis_name=dispatch.EP_AXIS, impl="ragged_all_to_all", block=8
-                )
-        else:
-            raw = (
-                jax.lax.ragged_all_to_all
-                if how == "jax"
-                else functools.partial(dispatch._emulated_ragged_all_to_all, axis_name=dispatch.EP_AXIS)
-            )
-            kw = {"axis_name": dispatch.EP_AXIS} if how == "jax" else {}
-
-            def f(o):
-                return raw(o, jnp.zeros((9, 3)), *args, **kw)
-
-        return jax.vjp(f, op)[1](g)[0]
-
-    def grad(how: str) -> np.ndarray:
-        body = functools.partial(per_rank, how=how)
-        return np.asarray(
-            jax.jit(
-                jax.shard_map(
-                    body, mesh=mesh, in_specs=(P(dispatch.EP_AXIS),) * 3, out_specs=P(dispatch.EP_AXIS), check_vma=False
-                )
-            )(operand, sizes, cot)
-        )
-
-    reference, ours = grad("emulated"), grad("ours")
-    print(f"JAX's transpose of ragged_all_to_all: rel. difference {rel(grad('jax'), reference):.3g} to the emulation")
-    assert rel(ours, reference) < 1e-6
-
-
 _FOUR_CPU_DEVICES = textwrap.dedent("""
     import itertools, json
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh
-    from maxtext_moe.moe import dispatch
+    from maxtext_moe.moe import expert_parallel
     from maxtext_moe.moe.layer import MoEConfig, init_params
     from maxtext_moe.moe.routing import RoutingConfig
+    from maxtext_moe.moe.settings import EP_AXIS, ExpertPath
 
     cfg = MoEConfig(emb_dim=32, moe_mlp_dim=16, shared_mlp_dim=16,
                     routing=RoutingConfig(num_experts=16, top_k=4, n_groups=4, topk_groups=2))
-    mesh = Mesh(np.array(jax.devices()), (dispatch.EP_AXIS,))
+    mesh = Mesh(np.array(jax.devices()), (EP_AXIS,))
     x = jax.random.normal(jax.random.key(1), (128, 32))
     cot = jax.random.normal(jax.random.key(2), x.shape)
     worst = {}
@@ -297,8 +226,8 @@ _FOUR_CPU_DEVICES = textwrap.dedent("""
             params["MoeBlock_0"]["gate"]["bias"] = bias.at[jnp.array(favoured)].set(10.0)
 
         def run(impl):
-            f = lambda p, x: dispatch.ep_moe_forward_sharded(p, x, cfg, mesh, dedup=dedup, impl=impl,
-                                                             buffer_factor=factor)[0]
+            path = ExpertPath(exchange=impl, dedup=dedup, buffer_factor=factor)
+            f = lambda p, x: expert_parallel.ep_moe_forward_sharded(p, x, cfg, mesh, path)[0]
             return [f(params, x), *jax.grad(lambda p, x: jnp.sum(f(p, x) * cot), (0, 1))(params, x)]
 
         a2a = jax.tree.leaves(jax.jit(lambda: run("all_to_all"))())
@@ -414,10 +343,10 @@ def test_te_backend_gets_groups_that_cover_every_received_row(monkeypatch: pytes
     def loss(forward):
         return jax.grad(lambda p, x: jnp.sum(forward(p, x)[0] * cot), (0, 1))
 
-    y = dispatch.ep_moe_forward_emulated(params, x, CFG, 2, backend="te")[0]
-    assert rel(y, moe_forward(params, x, CFG, "ragged_dot")[0]) < 1e-6
-    ep = loss(lambda p, x: dispatch.ep_moe_forward_emulated(p, x, CFG, 2, backend="te"))(params, x)
-    one = loss(lambda p, x: moe_forward(p, x, CFG, "ragged_dot"))(params, x)
+    y = expert_parallel.ep_moe_forward_emulated(params, x, CFG, 2, ExpertPath(backend="te"))[0]
+    assert rel(y, moe_forward(params, x, CFG)[0]) < 1e-6
+    ep = loss(lambda p, x: expert_parallel.ep_moe_forward_emulated(p, x, CFG, 2, ExpertPath(backend="te")))(params, x)
+    one = loss(lambda p, x: moe_forward(p, x, CFG))(params, x)
     for a, b in zip(jax.tree.leaves(ep), jax.tree.leaves(one), strict=True):
         assert np.array_equal(np.asarray(a), np.asarray(b)) or rel(a, b) < 1e-5
 
@@ -452,7 +381,7 @@ def test_capped_expert_copies_shrink_the_te_gemms_and_keep_the_result(monkeypatc
 
     def run(cap):
         def loss(x, e):
-            y, copies = dispatch.expand_reduce(x, row_experts, row_weights, e, "te", copies_cap=cap)
+            y, copies = receive.expand_reduce(x, row_experts, row_weights, e, ExpertPath(backend="te"), copies_cap=cap)
             return jnp.sum(y * cot), (y, copies)
 
         (_, (y, copies)), grads = jax.value_and_grad(loss, (0, 1), has_aux=True)(x, experts)

@@ -12,6 +12,7 @@ from maxtext_moe.moe import gemm
 from maxtext_moe.moe.layer import MoEConfig, init_params, moe_forward, sort_by_expert
 from maxtext_moe.moe.reference import moe_reference
 from maxtext_moe.moe.routing import RoutingConfig
+from maxtext_moe.moe.settings import ExpertPath
 
 CFG = MoEConfig(
     emb_dim=64,
@@ -31,7 +32,7 @@ def rel(a: jax.Array, b: jax.Array) -> float:
 def test_layer_matches_dense_reference(backend: str, seed: int) -> None:
     params = init_params(jax.random.key(seed), CFG, jnp.float32)
     x = jax.random.normal(jax.random.key(100 + seed), (3, 40, CFG.emb_dim))
-    y, routing = jax.jit(moe_forward, static_argnums=(2, 3))(params, x, CFG, backend)
+    y, routing = jax.jit(moe_forward, static_argnums=(2, 3))(params, x, CFG, ExpertPath(backend=backend))
     assert y.shape == x.shape and int(routing.counts.sum()) == 3 * 40 * 4
     assert rel(y, moe_reference(params, x, CFG)) < 1e-5
 
@@ -39,7 +40,7 @@ def test_layer_matches_dense_reference(backend: str, seed: int) -> None:
 def test_bf16_layer_close_to_float32_reference() -> None:
     params = init_params(jax.random.key(2), CFG, jnp.bfloat16)
     x = jax.random.normal(jax.random.key(3), (128, CFG.emb_dim), jnp.bfloat16)
-    y, _ = jax.jit(moe_forward, static_argnums=(2, 3))(params, x, CFG, "ragged_dot")
+    y, _ = jax.jit(moe_forward, static_argnums=(2, 3))(params, x, CFG, ExpertPath())
     assert y.dtype == jnp.bfloat16 and rel(y, moe_reference(params, x, CFG)) < 2e-2
 
 
@@ -47,7 +48,7 @@ def test_gradients_match_reference_and_are_finite() -> None:
     params = init_params(jax.random.key(4), CFG, jnp.float32)
     x = jax.random.normal(jax.random.key(5), (64, CFG.emb_dim))
     cot = jax.random.normal(jax.random.key(6), x.shape)
-    loss = lambda p, x: jnp.sum(moe_forward(p, x, CFG, "ragged_dot")[0] * cot)  # noqa: E731
+    loss = lambda p, x: jnp.sum(moe_forward(p, x, CFG, ExpertPath())[0] * cot)  # noqa: E731
     loss_ref = lambda p, x: jnp.sum(moe_reference(p, x, CFG) * cot)  # noqa: E731
     g, g_ref = jax.jit(jax.grad(loss, (0, 1)))(params, x), jax.jit(jax.grad(loss_ref, (0, 1)))(params, x)
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g)[0], jax.tree.leaves(g_ref), strict=True):
@@ -86,7 +87,7 @@ def test_same_function_as_maxtext_block() -> None:
     params["MoeBlock_0"]["gate"]["bias"] = params["MoeBlock_0"]["gate"]["bias"].at[3].set(1.0)
     x = jax.random.normal(jax.random.key(9), (2, 16, CFG.emb_dim))
     fn, state = maxtext_moe_fn(CFG, params, batch=2, seq=16, dtype="float32", use_tokamax_gmm=False)
-    y, _ = moe_forward(params, x, CFG, "ragged_dot")
+    y, _ = moe_forward(params, x, CFG, ExpertPath())
     assert rel(y, jax.jit(fn)(state, x)) < 1e-5
 
 
@@ -184,7 +185,7 @@ def test_minimal_remat_recomputes_no_grouped_gemm() -> None:
 
     params = init_params(jax.random.key(4), CFG, jnp.float32)
     x = jax.random.normal(jax.random.key(5), (64, CFG.emb_dim))
-    loss = lambda p, x: jnp.sum(moe_forward(p, x, CFG, "ragged_dot")[0] ** 2)  # noqa: E731
+    loss = lambda p, x: jnp.sum(moe_forward(p, x, CFG, ExpertPath())[0] ** 2)  # noqa: E731
 
     def grouped_gemms(policy: object) -> int:
         f = loss if policy == "no remat" else jax.checkpoint(loss, policy=policy)

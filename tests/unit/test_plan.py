@@ -12,6 +12,7 @@ import pytest
 from maxtext_moe import cli
 from maxtext_moe.errors import UserError
 from maxtext_moe.plan import Model, estimate, flops, layout, memory
+from maxtext_moe.plan.estimate import GROUPED_GEMM_EFFICIENCY
 from maxtext_moe.upstream import maxtext_config
 
 GIB = 2**30
@@ -181,3 +182,22 @@ def test_minimal_preset_saves_what_maxtext_minimal_saves() -> None:
     saved = {t for t in layout.REMAT_TENSORS if policy(name_p, name=our_block_names.get(t, t))}
     assert saved == {t for t, where in layout.REMAT_PRESETS["minimal"].items() if where == "device"}
     assert "context" not in saved and "moe_x_sorted" not in saved
+
+
+def test_fp8_current_scaling_experts_plan_at_the_fp8_peak() -> None:
+    """`moe.fp8: current_scaling` runs our expert GEMMs in FP8 (TE's grouped GEMM), and bench counts the run
+    against the FP8 peak: the planner must time those GEMMs at the FP8 peak too, so they take less time than
+    the same recipe's BF16 experts while the rest of the step is unchanged."""
+    one = "deepseek3-proxy-h200-1gpu"
+    bf16, fp8 = (estimate(cli.resolve(one, [f"moe.fp8={mode}"])) for mode in ("none", "current_scaling"))
+    assert (bf16.layout.expert_fp8, fp8.layout.expert_fp8) == (False, True)
+    assert fp8.flops == bf16.flops and fp8.compute_s < bf16.compute_s
+    hw, f, lay = fp8.layout.hardware, fp8.flops, fp8.layout
+    grouped_gain = (
+        f.grouped_gemm
+        * lay.tokens
+        * (1 + fp8.recompute_fraction)
+        / GROUPED_GEMM_EFFICIENCY[lay.moe_path]
+        * (1 / (hw.peak_bf16_tflops * 1e12) - 1 / (hw.peak_fp8_tflops * 1e12))
+    )
+    assert bf16.compute_s - fp8.compute_s == pytest.approx(grouped_gain)

@@ -241,18 +241,20 @@ def test_moe_section_defaults_and_checks():
         "te_gemm_path": "auto",
         "fp8": "none",
         "exchange": "auto",
-        "attention_residuals": "recompute",
     }
+    assert r.attention == {"residuals": "recompute"}
     assert r.sources["moe.gemm"] == "default for cpu"
     assert "moe.impl: must be one of maxtext, ours, got 'mine'." in error_of(TINY, "moe.impl=mine")
     assert "moe.gemm: applies only to moe.impl: ours" in error_of(TINY, "moe.gemm=tokamax")
     assert "moe.gemm: is te, but Transformer Engine's grouped GEMM needs an NVIDIA GPU" in error_of(
         TINY, "moe.impl=ours", "moe.gemm=te"
     )
-    assert "moe.attention_residuals: is save, but attention is 'dot_product'" in error_of(
-        TINY, "moe.impl=ours", "moe.attention_residuals=save", "attention=dot_product"
+    assert "attention.residuals: is save, but attention is 'dot_product'" in error_of(
+        TINY, "attention.residuals=save", "attention=dot_product"
     )
-    assert compose_resolve("deepseek3-proxy-h200-1gpu").moe["attention_residuals"] == "save"
+    assert compose_resolve("deepseek3-proxy-h200-1gpu").attention["residuals"] == "save"
+    moved = error_of(TINY, "moe.impl=ours", "moe.attention_residuals=save")
+    assert "moe.attention_residuals: has moved to attention.residuals." in moved and "\n" not in moved
     ep = ("moe.impl=ours", "topology.gpus_per_node=2", "ici_expert_parallelism=2", "ici_fsdp_parallelism=1")
     assert compose_resolve(TINY, *ep).maxtext["ici_expert_parallelism"] == 2
     assert "use_ring_of_experts: is true, but moe.impl: ours does its own expert-parallel dispatch" in error_of(
@@ -318,7 +320,13 @@ def test_advice_names_the_uncapped_ep_buffer_and_the_attention_rerun():
     (note,) = advice.notes(compose_resolve(two, "ragged_buffer_factor=-1"))
     assert "ragged_buffer_factor is -1" in note and "EP x the routed rows" in note
     assert advice.notes(compose_resolve(two, "ragged_buffer_factor=-1", "moe.gemm=tokamax")) == []  # tokamax skips them
-    (note,) = advice.notes(compose_resolve(one, "moe.attention_residuals=recompute"))
-    assert "reruns the attention forward kernel" in note and "moe.attention_residuals: save" in note
-    assert advice.notes(compose_resolve(one, "moe.attention_residuals=recompute", "remat_policy=full")) == []
+    (note,) = advice.notes(compose_resolve(one, "attention.residuals=recompute"))
+    assert "reruns the attention forward kernel" in note and "attention.residuals: save" in note
+    assert advice.notes(compose_resolve(one, "attention.residuals=recompute", "remat_policy=full")) == []
     assert advice.notes(compose_resolve(one, "moe.impl=maxtext")) == []  # MaxText's block as it is
+
+
+def test_attention_section_refuses_unknown_residuals_naming_the_source():
+    assert "command line: attention.residuals: must be one of recompute, save, got 'keep'." in error_of(
+        TINY, "attention.residuals=keep"
+    )

@@ -1,0 +1,193 @@
+"""The recipe's `moe:` section as one typed object: fields, choices, defaults and the checks that need only
+these settings and the hardware kind.
+
+Why one home: the recipe checks, the planner, bench, doctor and the training process all read these
+settings; each keeping its own defaults let them disagree (FP8 experts planned as BF16 while bench counted
+them as FP8). This module imports no jax, so recipe checks and `plan` stay free of it; the JAX code takes
+its types (`Backend`, `Fp8`, `Impl`) from here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Literal, Protocol, get_args
+
+from maxtext_moe.errors import UserError
+
+Block = Literal["maxtext", "ours"]
+Backend = Literal["ragged_dot", "tokamax", "te"]
+TeGemmPath = Literal["auto", "v1", "v2"]  # requested; gemm.TePath is the one chosen
+Fp8 = Literal["none", "current_scaling"]
+Exchange = Literal["auto", "all_to_all", "ragged_all_to_all"]
+# How one EP exchange is computed: the recipe's `exchange` resolved ("auto" is "all_to_all"), or the
+# all_gather emulation that the CPU reference runs under `vmap`.
+Impl = Literal["all_to_all", "ragged_all_to_all", "emulated"]
+
+EP_AXIS = "expert"  # MaxText's name for the expert-parallel mesh axis
+
+BACKENDS: tuple[Backend, ...] = ("ragged_dot", "tokamax", "te")
+FP8_MODES: tuple[Fp8, ...] = get_args(Fp8)
+IMPLS: tuple[Impl, ...] = get_args(Impl)
+# Field -> its choices, in the order messages list them.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "impl": get_args(Block),
+    "gemm": ("te", "tokamax", "ragged_dot"),
+    "te_gemm_path": get_args(TeGemmPath),
+    "fp8": FP8_MODES,
+    "exchange": get_args(Exchange),
+}
+
+
+class HardwareKind(Protocol):
+    """What the checks read of a hardware profile (`recipe.hardware.Hardware`)."""
+
+    name: str
+    maxtext_hardware: str
+
+    @property
+    def fp8(self) -> bool: ...
+
+
+class Sourced(Protocol):
+    """A recipe value and the file (or command-line override) that set it (`recipe.composition.Value`)."""
+
+    value: Any
+    source: str
+
+
+@dataclass(frozen=True)
+class MoeSettings:
+    """Which routed-MoE block runs and how: `impl` maxtext (MaxText's own block, tuned with MaxText keys;
+    the other fields then do not apply) or ours, with its grouped-GEMM `gemm` backend, TE's grouped-GEMM
+    path, FP8 expert GEMMs (TE's current scaling) and the EP `exchange`."""
+
+    impl: Block = "maxtext"
+    gemm: Backend = "ragged_dot"
+    te_gemm_path: TeGemmPath = "auto"
+    fp8: Fp8 = "none"
+    exchange: Exchange = "auto"
+
+    @property
+    def ours(self) -> bool:
+        return self.impl == "ours"
+
+    @property
+    def expert_fp8(self) -> bool:
+        """Whether our block's expert GEMMs run in FP8."""
+        return self.ours and self.fp8 != "none"
+
+    @property
+    def exchange_impl(self) -> Impl:
+        """The exchange the EP layer runs: "auto" is XLA's dense all-to-all, which every backend implements."""
+        return "ragged_all_to_all" if self.exchange == "ragged_all_to_all" else "all_to_all"
+
+    @staticmethod
+    def default_gemm(hw: HardwareKind) -> Backend:
+        """TE's grouped GEMM on NVIDIA GPUs (the fastest kernel there), `ragged_dot` elsewhere."""
+        return "te" if hw.maxtext_hardware == "gpu" else "ragged_dot"
+
+    def to_dict(self) -> dict[str, str]:
+        """The section as `show` prints it: MaxText's block has no settings of ours besides `impl`."""
+        return asdict(self) if self.ours else {"impl": self.impl}
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, str]) -> MoeSettings:
+        """Back from `to_dict` (a resolved recipe passed as plain data)."""
+        return cls(**{f.name: values[f.name] for f in fields(cls) if f.name in values})
+
+    @classmethod
+    def from_section(cls, section: Mapping[str, Sourced], hw: HardwareKind) -> MoeSettings:
+        """The checked settings of a recipe's `moe:` section on hardware `hw`; a `UserError` names the key,
+        the file that set it and the fix."""
+        for key, v in section.items():
+            if v.value not in CHOICES[key]:
+                raise UserError(
+                    f"must be one of {', '.join(CHOICES[key])}, got {v.value!r}.", key=f"moe.{key}", source=v.source
+                )
+        impl = section["impl"].value if "impl" in section else "maxtext"
+        if impl == "maxtext":
+            # An explicit `impl: maxtext` (say, a command-line override of a recipe using ours) drops our
+            # block's settings; setting them with no impl at all is a mistake worth a message.
+            extra = next((k for k in section if k != "impl"), None)
+            if extra and "impl" not in section:
+                raise UserError(
+                    "applies only to moe.impl: ours; MaxText's own block is tuned with MaxText keys "
+                    "(use_tokamax_gmm, te_moe_block).",
+                    key=f"moe.{extra}",
+                    source=section[extra].source,
+                    fix="set moe.impl: ours, or remove it.",
+                )
+            return cls(impl="maxtext")
+        value = {k: v.value for k, v in section.items()}
+        settings = cls(**(value | {"gemm": value.get("gemm", cls.default_gemm(hw))}))
+        settings.check(hw, {k: v.source for k, v in section.items()})
+        return settings
+
+    def check(self, hw: HardwareKind, sources: Mapping[str, str]) -> None:
+        """Refuse what cannot run on `hw`: TE and `ragged_all_to_all` need NVIDIA GPUs, FP8 experts need FP8
+        matrix units and TE's grouped GEMM. `sources` maps a field to where it was set."""
+        where = sources.get("impl")
+        if self.gemm == "te" and hw.maxtext_hardware != "gpu":
+            raise UserError(
+                f"is te, but Transformer Engine's grouped GEMM needs an NVIDIA GPU and this recipe runs on {hw.name}.",
+                key="moe.gemm",
+                source=sources.get("gemm", where),
+                fix="use moe.gemm: ragged_dot (or tokamax) on the CPU.",
+            )
+        if self.fp8 != "none":
+            # MaxText's TE block has FP8 experts only as MXFP8 (Blackwell); ours adds TE's current scaling,
+            # which Hopper runs too.
+            if not hw.fp8:
+                raise UserError(
+                    f"is {self.fp8}, but {hw.name} has no FP8 matrix units.",
+                    key="moe.fp8",
+                    source=sources.get("fp8"),
+                    fix="set moe.fp8: none, or run on an FP8 GPU (topology.hardware: h100, h200, gb200, gb300).",
+                )
+            if self.gemm != "te":
+                raise UserError(
+                    f"is {self.fp8}, but FP8 expert GEMMs run on Transformer Engine's grouped GEMM only, and "
+                    f"moe.gemm is {self.gemm}.",
+                    key="moe.fp8",
+                    source=sources.get("fp8"),
+                    fix="set moe.gemm: te, or moe.fp8: none.",
+                )
+        if self.exchange == "ragged_all_to_all" and hw.maxtext_hardware != "gpu":
+            raise UserError(
+                f"is ragged_all_to_all, which XLA implements on GPUs only, and this recipe runs on {hw.name}.",
+                key="moe.exchange",
+                source=sources.get("exchange"),
+                fix="use moe.exchange: auto (or all_to_all).",
+            )
+
+
+@dataclass(frozen=True)
+class ExpertPath:
+    """How the routed experts compute, passed down whole from the layer to the grouped GEMMs and the EP
+    exchange instead of a list of loose flags.
+
+    backend        grouped-GEMM kernel (`gemm.grouped_matmul`)
+    fp8            FP8 expert GEMMs ("current_scaling": backend te only)
+    exchange       how an EP exchange runs (`exchange.exchange`)
+    buffer_factor  EP receive buffer, MaxText's `ragged_buffer_factor` (<= 0: the dropless worst case)
+    dedup          send a token once per destination rank (ours), not once per chosen expert (MaxText's)
+    axis_name      the mesh (or vmap) axis the experts are split over
+    own_adjoint    the exchange's own adjoint (False under `vmap`, where a custom VJP loses the axis name)
+    """
+
+    backend: Backend = "ragged_dot"
+    fp8: Fp8 = "none"
+    exchange: Impl = "all_to_all"
+    buffer_factor: float = -1.0
+    dedup: bool = True
+    axis_name: str = EP_AXIS
+    own_adjoint: bool = True
+
+    @classmethod
+    def of(cls, settings: MoeSettings, buffer_factor: float = -1.0) -> ExpertPath:
+        """The path a recipe's settings ask for, with MaxText's `ragged_buffer_factor`."""
+        return cls(settings.gemm, settings.fp8, settings.exchange_impl, buffer_factor)
+
+
+DEFAULT_PATH = ExpertPath()  # ragged_dot in the compute dtype: runs on every backend
