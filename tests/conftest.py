@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,8 @@ import pytest
 from maxtext_moe.run import progress
 
 REPO = Path(__file__).resolve().parents[1]
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+TEXTS = [STDLIB / "json" / "encoder.py", STDLIB / "json" / "decoder.py", STDLIB / "textwrap.py"]
 
 # Small enough for a few seconds per step on 2 cores, big enough that loss moves.
 FAST = ["per_device_batch_size=2", "max_target_length=128", "log_period=5"]
@@ -62,3 +66,41 @@ def recipe_file(tmp_path):
         return path
 
     return write
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tmp_path_factory) -> Path:
+    """A byte-level BPE tokenizer trained on a few KB of real text, saved as a Hugging Face tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<pad>", "<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([TEXTS[0].read_text()[:8000]], trainer)
+    folder = tmp_path_factory.mktemp("tokenizer")
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def prepared_corpus(tokenizer, tmp_path_factory) -> Path:
+    """A real corpus folder written by `data prepare` (what the 671B recipes' grain_train_files names)."""
+    from maxtext_moe.data import prepare
+
+    out = tmp_path_factory.mktemp("corpus") / "corpus"
+    prepare.prepare(TEXTS, tokenizer, out, shards=1, log=lambda _: None)
+    return out
+
+
+def with_corpus(recipe_maxtext: dict, overrides: list[str], corpus: Path) -> list[str]:
+    """`overrides` plus the corpus for a recipe that reads prepared data (data/prepared), as a user runs it."""
+    if recipe_maxtext.get("tokenize_train_data") is False and recipe_maxtext.get("dataset_type") == "grain":
+        return [*overrides, f"grain_train_files={corpus}"]
+    return overrides

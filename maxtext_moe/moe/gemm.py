@@ -12,7 +12,8 @@ FP8 (`fp8="current_scaling"`, backend te only): MaxText's TE block offers FP8 ex
 needs Blackwell, so Hopper gets none there. TE's `grouped_dense` also takes per-tensor current scaling
 (E4M3 forward, E5M2 gradients), which Hopper runs given two things: a quantizer set built with explicit
 dtypes, and every group's row count a multiple of 16 counted inside `group_sizes`
-(`align.py` pads with zero rows and drops them after the GEMM).
+(`align.py` pads with zero rows and drops them after the GEMM). `fp8="mxfp8"` is TE's block-scaled FP8 for
+Blackwell, inside our block, so DeepSeek-V3's routing keeps MXFP8 experts there.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from maxtext_moe.upstream import te
 
 # TE's FP8 grouped GEMM on Hopper asserts `lda % 16 == 0` per group: each group's rows padded to a multiple.
 FP8_GROUP_ALIGN = 16
+# MXFP8 scales cover 32-element blocks and TE tiles them 128 rows at a time: groups padded to 128 rows.
+MXFP8_GROUP_ALIGN = 128
 
 TePath = Literal["v1", "v2"]
 # TE's single-kernel grouped GEMM ("V2", nvte_grouped_gemm) needs cuBLASLt >= 13.4 on Hopper; TE enables it
@@ -77,21 +80,25 @@ def select_te_grouped_gemm_path(requested: str = "auto") -> TePath:
     return path
 
 
-def _te_fp8_current_scaling(dense: ModuleType, x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """TE's `grouped_dense` with FP8 current scaling (per-tensor amax of this call; no scaling state to keep).
+def _te_fp8(dense: ModuleType, x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array, mode: Fp8) -> jax.Array:
+    """TE's `grouped_dense` with FP8 operands: per-tensor current scaling (the amax of this call, E4M3 forward
+    and E5M2 gradients; no scaling state to keep), or MXFP8 (E4M3 with one power-of-two scale per 32
+    elements, TE's default MXFP8 recipe; Blackwell only, not yet run by this project).
 
     The dtypes are given explicitly: built from the scaling mode alone, TE's quantizer set does not run
-    on Hopper. Groups are padded to `FP8_GROUP_ALIGN` rows around the call (`align.aligned`).
+    on Hopper. Groups are padded around the call (`align.aligned`) to the rows the mode needs.
     """
     quantize = importlib.import_module("transformer_engine.jax.quantize")
+    mxfp8 = mode == "mxfp8"
     quantizers = quantize.QuantizerFactory.create_set(
-        scaling_mode=quantize.ScalingMode.CURRENT_TENSOR_SCALING,
+        scaling_mode=quantize.ScalingMode.MXFP8_1D_SCALING if mxfp8 else quantize.ScalingMode.CURRENT_TENSOR_SCALING,
         fwd_dtype=jnp.float8_e4m3fn,
-        bwd_dtype=jnp.float8_e5m2,
+        bwd_dtype=jnp.float8_e4m3fn if mxfp8 else jnp.float8_e5m2,
         n_groups=w.shape[0],
     )
     gemm = lambda xp, wp, sizes: dense.grouped_dense(xp, wp, sizes, quantizer_set=quantizers)  # noqa: E731
-    return aligned(gemm, x_sorted, w, group_sizes, FP8_GROUP_ALIGN).astype(x_sorted.dtype)
+    align = MXFP8_GROUP_ALIGN if mxfp8 else FP8_GROUP_ALIGN
+    return aligned(gemm, x_sorted, w, group_sizes, align).astype(x_sorted.dtype)
 
 
 def grouped_matmul(
@@ -107,8 +114,8 @@ def grouped_matmul(
 
     Accumulation is float32 in every backend. tokamax runs its Mosaic GPU kernel on GPU (what MaxText's
     `use_tokamax_gmm=true` calls) and its XLA implementation elsewhere (Mosaic GPU has no CPU target).
-    `fp8="current_scaling"` quantizes both operands to FP8 inside TE's grouped GEMM (backend te only; see
-    the module docstring); "none" computes in `x_sorted.dtype`.
+    `fp8="current_scaling"` or `"mxfp8"` quantizes both operands to FP8 inside TE's grouped GEMM (backend te
+    only; see `_te_fp8`); "none" computes in `x_sorted.dtype`.
 
     `partial=True` when the sizes may sum to less than M (the expert-parallel receive buffer): see
     `_tail_guarded`. With the default the caller promises they sum to M (the one-device layer).
@@ -146,8 +153,8 @@ def grouped_matmul(
     if backend == "te":
         dense, _ = te.import_te()
         select_te_grouped_gemm_path()
-        if fp8 == "current_scaling":
-            return _te_fp8_current_scaling(dense, x_sorted, w, group_sizes)
+        if fp8 != "none":
+            return _te_fp8(dense, x_sorted, w, group_sizes, fp8)
         return dense.grouped_dense(x_sorted, w, group_sizes).astype(x_sorted.dtype)
     raise UserError(f"unknown grouped-GEMM backend {backend!r}.", fix=f"choose one of {', '.join(BACKENDS)}.")
 

@@ -18,7 +18,7 @@ from maxtext_moe.errors import UserError
 Block = Literal["maxtext", "ours"]
 Backend = Literal["ragged_dot", "tokamax", "te"]
 TeGemmPath = Literal["auto", "v1", "v2"]  # requested; gemm.TePath is the one chosen
-Fp8 = Literal["none", "current_scaling"]
+Fp8 = Literal["none", "current_scaling", "mxfp8"]
 Exchange = Literal["auto", "all_to_all", "ragged_all_to_all"]
 # How one EP exchange is computed: the recipe's `exchange` resolved ("auto" is "all_to_all"), or the
 # all_gather emulation that the CPU reference runs under `vmap`.
@@ -44,6 +44,7 @@ class HardwareKind(Protocol):
 
     name: str
     maxtext_hardware: str
+    mxfp8: bool
 
     @property
     def fp8(self) -> bool: ...
@@ -60,7 +61,8 @@ class Sourced(Protocol):
 class MoeSettings:
     """Which routed-MoE block runs and how: `impl` maxtext (MaxText's own block, tuned with MaxText keys;
     the other fields then do not apply) or ours, with its grouped-GEMM `gemm` backend, TE's grouped-GEMM
-    path, FP8 expert GEMMs (TE's current scaling) and the EP `exchange`."""
+    path, FP8 expert GEMMs (TE's per-tensor current scaling on Hopper and later, or MXFP8 on Blackwell) and
+    the EP `exchange`."""
 
     impl: Block = "maxtext"
     gemm: Backend = "ragged_dot"
@@ -153,6 +155,13 @@ class MoeSettings:
                     source=sources.get("fp8"),
                     fix="set moe.gemm: te, or moe.fp8: none.",
                 )
+            if self.fp8 == "mxfp8" and not hw.mxfp8:
+                raise UserError(
+                    f"is mxfp8, but MXFP8 (block-scaled FP8) needs Blackwell (SM100) and {hw.name} has none.",
+                    key="moe.fp8",
+                    source=sources.get("fp8"),
+                    fix="use moe.fp8: current_scaling on Hopper (per-tensor FP8, which it runs).",
+                )
         if self.exchange == "ragged_all_to_all" and hw.maxtext_hardware != "gpu":
             raise UserError(
                 f"is ragged_all_to_all, which XLA implements on GPUs only, and this recipe runs on {hw.name}.",
@@ -168,7 +177,7 @@ class ExpertPath:
     exchange instead of a list of loose flags.
 
     backend        grouped-GEMM kernel (`gemm.grouped_matmul`)
-    fp8            FP8 expert GEMMs ("current_scaling": backend te only)
+    fp8            FP8 expert GEMMs ("current_scaling", "mxfp8": backend te only)
     exchange       how an EP exchange runs (`exchange.exchange`)
     buffer_factor  EP receive buffer, MaxText's `ragged_buffer_factor` (<= 0: the dropless worst case)
     dedup          send a token once per destination rank (ours), not once per chosen expert (MaxText's)

@@ -75,9 +75,17 @@ def local_gpus() -> int:
     return sum(1 for line in out.splitlines() if line.startswith("GPU "))
 
 
+def _data_stand_in(r: ResolvedRecipe) -> tuple[str, ...]:
+    """Synthetic batches for a recipe whose prepared corpus is not named yet: MaxText's config refuses Grain
+    without files, and the compiled step sees only the batch's shapes, which the corpus does not change."""
+    reads_prepared = r.maxtext.get("dataset_type") == "grain" and r.maxtext.get("tokenize_train_data") is False
+    return ("dataset_type=synthetic",) if reads_prepared and not r.maxtext.get("grain_train_files") else ()
+
+
 def choose_route(r: ResolvedRecipe, gpus_here: int) -> Route:
     """The mock GPU topology where this machine has GPUs and the recipe is for GPUs, else XLA:CPU devices."""
     n = r.topology.num_devices
+    data = _data_stand_in(r)
     if gpus_here and r.topology.profile.maxtext_hardware == "gpu":
         if n % gpus_here:
             raise UserError(
@@ -92,7 +100,7 @@ def choose_route(r: ResolvedRecipe, gpus_here: int) -> Route:
             "gpu",
             f"XLA:GPU on a mock topology {topo} ({n} devices, {n // gpus_here} processes) of this machine's GPU kind; "
             "nothing executed",
-            (),
+            data,
             {"XLA_FLAGS": flags},
             topo,
         )
@@ -114,7 +122,7 @@ def choose_route(r: ResolvedRecipe, gpus_here: int) -> Route:
             else ""
         )
         + "; its bias against a GPU compile is unknown until measured",
-        (*switches, "topology.nodes=1", f"topology.gpus_per_node={n}"),
+        (*switches, *data, "topology.nodes=1", f"topology.gpus_per_node={n}"),
         {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"},
         None,
     )

@@ -8,40 +8,15 @@ import os
 import signal
 import subprocess
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_cli
+from conftest import REPO, TEXTS, run_cli
 
 from maxtext_moe.data import prepare
 from maxtext_moe.errors import UserError
 from maxtext_moe.recipe import composition, validate
-
-STDLIB = Path(sysconfig.get_paths()["stdlib"])
-TEXTS = [STDLIB / "json" / "encoder.py", STDLIB / "json" / "decoder.py", STDLIB / "textwrap.py"]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory) -> Path:
-    """A byte-level BPE tokenizer trained on a few KB of real text, saved as a Hugging Face tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=["<pad>", "<unk>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator([TEXTS[0].read_text()[:8000]], trainer)
-    folder = tmp_path_factory.mktemp("tokenizer")
-    tok.save(str(folder / "tokenizer.json"))
-    config = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return folder
 
 
 def _decode(tokenizer: Path, ids: list[int]) -> str:

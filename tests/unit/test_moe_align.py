@@ -124,15 +124,15 @@ def test_align_must_be_positive() -> None:
         align_groups(jnp.array([1, 2]), 3, 0)
 
 
-def fake_te(monkeypatch: pytest.MonkeyPatch) -> tuple[types.SimpleNamespace, dict]:
+def fake_te(monkeypatch: pytest.MonkeyPatch, align: int = gemm.FP8_GROUP_ALIGN) -> tuple[types.SimpleNamespace, dict]:
     """Stand-ins for TE's `dense` and `quantize` modules: grouped_dense enforces what the H200 enforced for
-    FP8 (every group a multiple of 16 rows, counted in group_sizes, summing to the rows) and computes by
+    FP8 (every group a multiple of `align` rows, counted in group_sizes, summing to the rows) and computes by
     ragged_dot; create_set records its arguments."""
     seen: dict = {}
 
     def grouped_dense(x: jax.Array, w: jax.Array, sizes: jax.Array, quantizer_set: object) -> jax.Array:
         sizes_np = np.asarray(sizes)
-        assert np.all(sizes_np % gemm.FP8_GROUP_ALIGN == 0) and sizes_np.sum() == x.shape[0]
+        assert np.all(sizes_np % align == 0) and sizes_np.sum() == x.shape[0]
         seen["quantizer_set"] = quantizer_set
         return ragged(x, w, sizes)
 
@@ -142,7 +142,7 @@ def fake_te(monkeypatch: pytest.MonkeyPatch) -> tuple[types.SimpleNamespace, dic
 
     quantize = types.SimpleNamespace(
         QuantizerFactory=types.SimpleNamespace(create_set=create_set),
-        ScalingMode=types.SimpleNamespace(CURRENT_TENSOR_SCALING="current"),
+        ScalingMode=types.SimpleNamespace(CURRENT_TENSOR_SCALING="current", MXFP8_1D_SCALING="mxfp8"),
     )
     monkeypatch.setitem(sys.modules, "transformer_engine.jax.quantize", quantize)
     return types.SimpleNamespace(grouped_dense=grouped_dense), seen
@@ -153,7 +153,7 @@ def test_te_fp8_call_aligns_groups_and_builds_the_quantizer_set(monkeypatch: pyt
     sizes = jnp.array([5, 0, 16, 17], jnp.int32)
     kx, kw = jax.random.split(jax.random.key(2))
     x, w = small_ints(kx, (38, K)).astype(jnp.bfloat16), small_ints(kw, (4, K, N)).astype(jnp.bfloat16)
-    y = gemm._te_fp8_current_scaling(dense, x, w, sizes)
+    y = gemm._te_fp8(dense, x, w, sizes, "current_scaling")
     assert y.dtype == jnp.bfloat16 and y.shape == (38, N)
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(ragged(x, w, sizes)))
     assert seen["quantizer_set"] == "quantizers"
@@ -161,6 +161,21 @@ def test_te_fp8_call_aligns_groups_and_builds_the_quantizer_set(monkeypatch: pyt
         "scaling_mode": "current",
         "fwd_dtype": jnp.float8_e4m3fn,
         "bwd_dtype": jnp.float8_e5m2,
+        "n_groups": 4,
+    }
+
+
+def test_te_mxfp8_call_pads_groups_to_128_rows_with_e4m3_both_ways(monkeypatch: pytest.MonkeyPatch) -> None:
+    dense, seen = fake_te(monkeypatch, align=gemm.MXFP8_GROUP_ALIGN)
+    sizes = jnp.array([5, 0, 130, 3], jnp.int32)
+    kx, kw = jax.random.split(jax.random.key(3))
+    x, w = small_ints(kx, (138, K)).astype(jnp.bfloat16), small_ints(kw, (4, K, N)).astype(jnp.bfloat16)
+    y = gemm._te_fp8(dense, x, w, sizes, "mxfp8")
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(ragged(x, w, sizes)))
+    assert seen["create_set"] == {
+        "scaling_mode": "mxfp8",
+        "fwd_dtype": jnp.float8_e4m3fn,
+        "bwd_dtype": jnp.float8_e4m3fn,
         "n_groups": 4,
     }
 

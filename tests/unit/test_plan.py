@@ -8,6 +8,7 @@ import re
 from math import comb
 
 import pytest
+from conftest import with_corpus
 
 from maxtext_moe import cli
 from maxtext_moe.errors import UserError
@@ -27,11 +28,11 @@ GIB = 2**30
         ("deepseek3-671b-h200-128", ["max_target_length=8192", "per_device_batch_size=1"]),
     ],
 )
-def test_flops_match_maxtext(ref: str, overrides: list[str]) -> None:
+def test_flops_match_maxtext(ref: str, overrides: list[str], prepared_corpus) -> None:
     """Our per-token count x tokens/device equals MaxText's calculate_tflops_training_per_device."""
     from maxtext.utils.maxtext_utils import calculate_tflops_training_per_device
 
-    r = cli.resolve(ref, overrides)
+    r = cli.resolve(ref, with_corpus(cli.resolve(ref, overrides).maxtext, overrides, prepared_corpus))
     config = maxtext_config.check(r.maxtext, r.sources)
     theirs, _, _ = calculate_tflops_training_per_device(config, log=False)
     f = flops.per_token(Model.from_recipe(r), config.max_target_length)

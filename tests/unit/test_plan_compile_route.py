@@ -12,11 +12,13 @@ from maxtext_moe.plan import compiled
 def test_gpu_machine_mocks_one_process_per_gpu_of_the_recipe() -> None:
     r = resolve("deepseek3-671b-h200-128", [])
     route = compiled.choose_route(r, gpus_here=1)
-    assert route.name == "gpu" and route.mock_gpu_topology == "1x128x1" and route.overrides == ()
+    assert route.name == "gpu" and route.mock_gpu_topology == "1x128x1"
+    assert route.overrides == ("dataset_type=synthetic",)  # no corpus named yet: the batch shapes are the same
     assert route.env["XLA_FLAGS"].endswith(compiled.MOCK_GPU_FLAGS)
     assert compiled.choose_route(r, gpus_here=8).mock_gpu_topology == "1x16x8"
     with pytest.raises(UserError, match="whole number of hosts"):
         compiled.choose_route(r, gpus_here=3)
+    assert compiled.choose_route(resolve("deepseek3-proxy-h200-1gpu", []), gpus_here=1).overrides == ()
 
 
 def test_without_a_gpu_the_recipe_is_switched_to_cpu_kernels_and_large_counts_refused() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from conftest import with_corpus
 
 from maxtext_moe import cli
 from maxtext_moe.errors import UserError
@@ -11,8 +12,9 @@ from maxtext_moe.upstream import maxtext_config
 
 
 @pytest.mark.parametrize("name", composition.recipe_names())
-def test_recipe_resolves_and_maxtext_accepts_it(name: str) -> None:
-    r = cli.resolve(name, [])
+def test_recipe_resolves_and_maxtext_accepts_it(name: str, prepared_corpus) -> None:
+    """As a user launches it: a recipe that trains on a prepared corpus gets one (data/prepared)."""
+    r = cli.resolve(name, with_corpus(cli.resolve(name, []).maxtext, [], prepared_corpus))
     maxtext_config.check(r.maxtext, r.sources)
 
 
