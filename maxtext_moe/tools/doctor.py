@@ -186,6 +186,7 @@ def compare(m: Machine, r: ResolvedRecipe) -> list[Line]:
         [hw.compute_capability or (0, 0)]
         + [FP8_MIN_CC] * (str(r.effective("quantization") or "") in FP8_QUANTIZATIONS)
         + [MXFP8_MIN_CC] * (MXFP8 in (str(r.effective("quantization")), str(r.effective("te_gmm_quantization"))))
+        + [MXFP8_MIN_CC] * (r.moe_settings.fp8 == "mxfp8")
     )
     cc_short = gpu and on_gpu and (m.compute_capability or (0, 0)) < need_cc
     if gpu:

@@ -71,18 +71,24 @@ def test_gpu_recipe_on_this_cpu_machine_exits_nonzero_with_fixes():
     gap_lines = [line for line in r.stdout.splitlines() if line.startswith("GAP")]
     assert any("jax" in line and "Fix:" in line for line in gap_lines)
     assert any(
-        "transformer-engine" in line and "te_moe_block=true" in line and "pip install '.[gpu]'" in line
+        "transformer-engine" in line and "moe.gemm=te" in line and "pip install '.[gpu]'" in line
         for line in gap_lines
     )
     assert r.stdout.splitlines()[-1].startswith(f"{H200_RECIPE}: cannot run here")
 
 
-def test_h200_with_old_nccl_lacks_only_nccl_ep_and_takes_the_v1_grouped_gemm():
+TE_BLOCK = ["moe.impl=maxtext", "te_moe_block=true", "prefuse_moe_weights=true", "te_gmm_quantization=te_no_quant"]
+TE_BLOCK += ["routed_bias_update_rate=0.0", "n_routing_groups=-1"]
+
+
+def test_h200_with_old_nccl_runs_our_block_and_takes_the_v1_grouped_gemm():
+    """The lent H200's image (NCCL 2.28.9): our block needs no NCCL EP; MaxText's TE block would."""
     lines = doctor.compare(_h200(), resolve(H200_RECIPE, []))
-    assert set(_gaps(lines)) == {"nccl"}
-    assert "2.30.4" in _gaps(lines)["nccl"]
+    assert _gaps(lines) == {}
     gemm = next(x for x in lines if x.item == "te grouped gemm")
     assert gemm.have.startswith("V1 per-group") and "130100" in gemm.have
+    te_block = _gaps(doctor.compare(_h200(), resolve(H200_RECIPE, TE_BLOCK)))
+    assert set(te_block) == {"nccl"} and "2.30.4" in te_block["nccl"]
 
 
 def test_h200_with_new_nccl_and_cublas_has_no_gaps_and_v2():
@@ -108,9 +114,12 @@ def test_older_gpu_and_fewer_devices_are_gaps():
     assert "gpus_per_node=4" in gaps["devices"]
 
 
-def test_blackwell_mxfp8_recipe_needs_sm100():
-    r = resolve("deepseek3-671b-published-gb200-128", [])
-    assert "gpu" in _gaps(doctor.compare(_h200(nccl=(2, 30, 4)), r))
+@pytest.mark.parametrize("name", ["deepseek3-671b-published-gb200-128", "deepseek3-671b-gb200-128"])
+def test_blackwell_mxfp8_recipe_needs_sm100(name: str):
+    """MXFP8 experts, in TE's block (te_gmm_quantization) or ours (moe.fp8: mxfp8), need SM100."""
+    r = resolve(name, [])
+    gaps = _gaps(doctor.compare(_h200(nccl=(2, 30, 4)), r))
+    assert "gpu" in gaps and "SM100" in gaps["gpu"]
     assert "gpu" not in _gaps(doctor.compare(_h200(nccl=(2, 30, 4), compute_capability=(10, 0)), r))
 
 
