@@ -1,4 +1,5 @@
-"""Settings that run correctly but slower than they need to, as measured: said before compute is spent.
+"""Settings that run but not as a user may assume, said before compute is spent: slower than they need to
+be (as measured), or a DeepSeek-V3 that routes differently from the paper.
 
 Why: validation refuses what cannot run, and MaxText says nothing about combinations that run but waste
 the GPU in ways only a profile or the compiled HLO shows. Each note names the measurement it rests on.
@@ -10,8 +11,8 @@ from maxtext_moe.recipe.resolved import ResolvedRecipe
 
 
 def notes(resolved: ResolvedRecipe) -> list[str]:
-    """One line per measured slow combination in `resolved`; empty when there is none."""
-    found = []
+    """One line per measured slow combination or routing difference in `resolved`; empty when there is none."""
+    found = _routing_differences(resolved)
     moe, policy = resolved.moe_settings, str(resolved.effective("remat_policy"))
     if moe.ours and moe.gemm == "te" and resolved.effective("scan_layers") and policy != "full":
         found.append(
@@ -38,3 +39,25 @@ def notes(resolved: ResolvedRecipe) -> list[str]:
             "at batch 8 (docs/PERFORMANCE.md)."
         )
     return found
+
+
+def _routing_differences(resolved: ResolvedRecipe) -> list[str]:
+    """DeepSeek-V3's routing (group-limited top-k, the aux-loss-free bias update, one MTP layer) left out of a
+    DeepSeek-V3 recipe, as NVIDIA's published configuration leaves it: the model trains, but not as trained."""
+    if not str(resolved.effective("model_name")).startswith("deepseek3"):
+        return []
+    missing = [
+        what
+        for what, off in (
+            ("no group-limited routing (n_routing_groups <= 1)", int(resolved.effective("n_routing_groups")) <= 1),
+            ("no bias update (routed_bias_update_rate 0)", float(resolved.effective("routed_bias_update_rate")) <= 0),
+            ("no MTP layer (mtp_num_layers 0)", int(resolved.effective("mtp_num_layers")) == 0),
+        )
+        if off
+    ]
+    if not missing:
+        return []
+    return [
+        f"note: routing differs from DeepSeek-V3 as trained: {'; '.join(missing)}. The deepseek3-671b-<gpu> "
+        "recipes (`maxtext-moe list`) keep all three on maxtext-moe's block."
+    ]

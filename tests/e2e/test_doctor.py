@@ -71,8 +71,7 @@ def test_gpu_recipe_on_this_cpu_machine_exits_nonzero_with_fixes():
     gap_lines = [line for line in r.stdout.splitlines() if line.startswith("GAP")]
     assert any("jax" in line and "Fix:" in line for line in gap_lines)
     assert any(
-        "transformer-engine" in line and "moe.gemm=te" in line and "pip install '.[gpu]'" in line
-        for line in gap_lines
+        "transformer-engine" in line and "moe.gemm=te" in line and "pip install '.[gpu]'" in line for line in gap_lines
     )
     assert r.stdout.splitlines()[-1].startswith(f"{H200_RECIPE}: cannot run here")
 

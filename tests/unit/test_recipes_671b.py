@@ -89,3 +89,13 @@ def test_hopper_recipes_keep_ep_in_the_node_and_refuse_mxfp8() -> None:
         assert r.effective("ici_expert_parallelism") <= r.topology.gpus_per_node
         with pytest.raises(UserError, match="MXFP8 needs Blackwell"):
             cli.resolve(name, ["te_gmm_quantization=te_mxfp8"])
+
+
+def test_show_names_the_published_recipes_routing_differences() -> None:
+    published = cli.render_show(cli.resolve("deepseek3-671b-published-gb200-128", []))
+    note = next(line for line in published.splitlines() if "routing differs" in line)
+    assert "no group-limited routing" in note and "no bias update" in note and "no MTP layer" in note
+    for name in OURS_671B:
+        assert "routing differs" not in cli.render_show(cli.resolve(name, []))
+    partial = cli.render_show(cli.resolve("deepseek3-671b-h200-128", ["mtp_num_layers=0"]))
+    assert "routing differs from DeepSeek-V3 as trained: no MTP layer (mtp_num_layers 0)." in partial
