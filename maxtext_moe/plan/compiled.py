@@ -65,7 +65,11 @@ class Route:
 
 
 def local_gpus() -> int:
-    """NVIDIA GPUs on this machine (0 without a driver), counted without starting jax in this process."""
+    """NVIDIA GPUs this process may use (0 without a driver), counted without starting jax in this process:
+    `CUDA_VISIBLE_DEVICES` when set (the mock topology's GPUs per host must be the ones jax will see)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
     if shutil.which("nvidia-smi") is None:
         return 0
     try:

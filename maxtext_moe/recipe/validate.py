@@ -5,7 +5,7 @@ name neither the file a value came from nor the hardware it will run on; many mi
 DeepSeek-V3 on GPUs (the TPU-only `megablox` kernel left on, MXFP8 experts on a Hopper, an expert-parallel
 size that does not divide the experts, a mesh that does not match the cluster) it accepts and fails on
 later, or never. These checks run first, without jax, and each error names the key, the file and the fix;
-`maxtext_check` then runs MaxText's model. The `moe:` section's own checks are in `moe/settings.py`.
+`upstream.maxtext_config` then runs MaxText's model. The `moe:` section's own checks are in `moe/settings.py`.
 """
 
 from __future__ import annotations
@@ -24,17 +24,9 @@ from maxtext_moe.recipe.hardware import PROFILES, Hardware
 from maxtext_moe.recipe.resolved import ResolvedRecipe, Topology
 
 BASE_DEFAULT = "MaxText's base.yml default"
-FP8_QUANTIZATIONS = {
-    "fp8",
-    "fp8_e4m3",
-    "fp8_e5m2",
-    "nanoo_fp8",
-    "fp8_nanoo",
-    "fp8_gpu",
-    "fp8_full",
-    "te_fp8_delayedscaling",
-    "te_fp8_currentscaling",
-}
+FP8_QUANTIZATIONS = frozenset(
+    "fp8 fp8_e4m3 fp8_e5m2 nanoo_fp8 fp8_nanoo fp8_gpu fp8_full te_fp8_delayedscaling te_fp8_currentscaling".split()
+)
 MXFP8 = "te_mxfp8"
 
 RESIDUALS = ("recompute", "save")  # attention.residuals

@@ -37,3 +37,13 @@ def test_device_total_counts_donated_buffers_once() -> None:
     mem = {"argument_size": 10, "output_size": 10, "alias_size": 10, "temp_size": 5, "generated_code_size": 1}
     assert compiled.device_total(mem) == 16
     assert compiled.device_total({"host_temp_size": 3}, "host_") == 3
+
+
+def test_local_gpus_are_the_visible_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One GPU of four given to the compile: the mock topology repeats one GPU per host, as jax will see it."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")
+    assert compiled.local_gpus() == 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert compiled.local_gpus() == 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert compiled.local_gpus() == 0
