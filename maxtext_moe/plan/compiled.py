@@ -46,7 +46,7 @@ CPU_SWITCHES = (
     "moe.impl=ours",
     "moe.gemm=ragged_dot",
     "moe.fp8=none",
-    "moe.attention_residuals=recompute",
+    "attention.residuals=recompute",
     "attention=dot_product",
     "te_moe_block=false",
     "prefuse_moe_weights=false",
@@ -154,6 +154,7 @@ def compile_in_subprocess(compiled: ResolvedRecipe, route: Route, timeout_s: int
         "maxtext": compiled.maxtext,
         "sources": compiled.sources,
         "moe": compiled.moe,
+        "attention": compiled.attention,
         "num_devices": compiled.topology.num_devices,
         "mock_gpu_topology": route.mock_gpu_topology,
     }

@@ -77,12 +77,15 @@ def compile_step(request: dict[str, Any]) -> dict[str, Any]:
 
         from maxtext_moe.upstream import maxtext_config, remat
 
-        if request["moe"].get("impl") == "ours":
+        from maxtext_moe.moe.settings import MoeSettings
+
+        settings = MoeSettings.from_dict(request["moe"])
+        if settings.ours:
             from maxtext_moe.upstream import deepseek_layer
 
-            deepseek_layer.install(request["moe"])
-            if request["moe"].get("attention_residuals") == "save":
-                remat.install()
+            deepseek_layer.install(settings)
+        if request["attention"].get("residuals") == "save":
+            remat.install()
         config = maxtext_config.check(request["maxtext"], request["sources"])
         if len(jax.devices()) != request["num_devices"]:
             raise RuntimeError(f"{len(jax.devices())} devices visible, {request['num_devices']} requested")
