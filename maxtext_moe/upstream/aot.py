@@ -75,9 +75,8 @@ def compile_step(request: dict[str, Any]) -> dict[str, Any]:
         from maxtext.trainers.pre_train import train, train_compile
         from maxtext.utils import maxtext_utils, sharding
 
-        from maxtext_moe.upstream import maxtext_config, remat
-
         from maxtext_moe.moe.settings import MoeSettings
+        from maxtext_moe.upstream import maxtext_config, remat
 
         settings = MoeSettings.from_dict(request["moe"])
         if settings.ours:
