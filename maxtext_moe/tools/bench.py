@@ -24,6 +24,7 @@ from maxtext_moe.errors import UserError
 from maxtext_moe.recipe.resolved import ResolvedRecipe
 from maxtext_moe.run import train
 from maxtext_moe.run.progress import read_metrics
+from maxtext_moe.tools import profile as traces
 
 FP8_KEYS = ("quantization", "te_gmm_quantization")
 
@@ -55,7 +56,8 @@ class BenchResult:
     date: str
     settings: dict[str, Any]  # the MaxText keys the bench ran with
     moe: dict[str, Any]  # the recipe's moe section (which routed-MoE block and grouped GEMM)
-    profile: dict[str, Any] | None = None  # profile_summary of two warm-up steps (--profile)
+    attention: dict[str, Any]  # the recipe's attention section (residuals kept or recomputed)
+    profile: dict[str, Any] | None = None  # tools.profile summary of two warm-up steps (--profile)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -208,7 +210,8 @@ def run(
         date=time.strftime("%Y-%m-%d"),
         settings=maxtext,
         moe=resolved.moe,
-        profile=profile.summarize(profile.find_trace(train.run_paths(bench_recipe).run), top=25) if profile else None,
+        attention=resolved.attention,
+        profile=traces.summarize(traces.find_trace(train.run_paths(bench_recipe).run), top=25) if profile else None,
     )
 
 

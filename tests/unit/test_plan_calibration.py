@@ -54,16 +54,17 @@ def overrides(result: dict) -> list[str]:
     `settings` holds every key the recipe set when the run was made; a key the recipe has set since
     (e.g. ragged_buffer_factor) ran at MaxText's default. Results written before `bench` recorded the moe
     section ran MaxText's own block; a moe field missing from an older record had not been added yet, and
-    those runs behaved as its `recompute`/`auto` value."""
+    those runs behaved as its `recompute`/`auto` value. The attention section is recorded since it has one."""
     settings = dict(result["settings"])
     recipe = cli.resolve(result["recipe"], [])
     model_defaults = maxtext_keys.model_defaults(str(settings.get("model_name", "default")))
     for key in recipe.maxtext.keys() - settings.keys():
         settings[key] = model_defaults.get(key, maxtext_keys.defaults().get(key))
     keys = [f"{k}={json.dumps(v)}" for k, v in settings.items() if k not in NOT_PLANNED]
-    moe = result.get("moe") or {"impl": "maxtext"}
-    moe = {"attention_residuals": "recompute", **moe} if moe["impl"] == "ours" else moe
-    return keys + [f"moe.{k}={v}" for k, v in moe.items()]
+    moe = dict(result.get("moe") or {"impl": "maxtext"})
+    # Records made before attention.residuals had its own section kept it in moe, for our block only.
+    attention = result.get("attention") or {"residuals": moe.pop("attention_residuals", "recompute")}
+    return keys + [f"moe.{k}={v}" for k, v in moe.items()] + [f"attention.{k}={v}" for k, v in attention.items()]
 
 
 def measured_runs() -> list[tuple[str, dict]]:

@@ -284,7 +284,10 @@ def test_moe_fp8_needs_te_and_fp8_hardware():
     assert compose_resolve(proxy).moe["fp8"] == "none"
     r = compose_resolve(proxy, "moe.fp8=current_scaling")
     assert r.moe["fp8"] == "current_scaling" and r.sources["moe.fp8"] == "command line"
-    assert "moe.fp8: must be one of none, current_scaling, got 'mxfp8'." in error_of(proxy, "moe.fp8=mxfp8")
+    assert "moe.fp8: must be one of none, current_scaling, mxfp8, got 'fp4'." in error_of(proxy, "moe.fp8=fp4")
+    assert (
+        "command line: moe.fp8: is mxfp8, but MXFP8 (block-scaled FP8) needs Blackwell (SM100) and h200 has none."
+    ) in error_of(proxy, "moe.fp8=mxfp8")
     assert (
         "command line: moe.fp8: is current_scaling, but FP8 expert GEMMs run on Transformer Engine's grouped "
         "GEMM only, and moe.gemm is tokamax. Fix: set moe.gemm: te, or moe.fp8: none."
