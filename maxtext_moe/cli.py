@@ -104,7 +104,7 @@ def cmd_train(a: argparse.Namespace) -> int:
         train.train(resolve(ref, overrides), force=a.force, verbose=a.verbose)
     except train.Stopped as e:
         print(f"maxtext-moe: {e}", file=sys.stderr)
-        return 143  # 128 + SIGTERM: the run did not finish, and nothing is lost
+        return e.status  # 128 + the signal (SIGTERM, SIGINT): the run did not finish, and nothing is lost
     return 0
 
 

@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, redirect_stdout
+from contextlib import ExitStack, contextmanager, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,13 +22,17 @@ from maxtext_moe.data import corpus, prepared
 from maxtext_moe.errors import UserError
 from maxtext_moe.recipe import advice, maxtext_keys, xla_flags
 from maxtext_moe.recipe.resolved import ResolvedRecipe
-from maxtext_moe.run import distributed, run_dir
+from maxtext_moe.run import distributed, divergence, interrupt, lock, run_dir
 from maxtext_moe.run.progress import Progress
 from maxtext_moe.upstream import maxtext_config, remat
 
 
 class Stopped(Exception):
-    """Training stopped early but cleanly (SIGTERM): the latest state is checkpointed."""
+    """Training stopped early but cleanly (SIGTERM or Ctrl-C): the latest state is checkpointed."""
+
+    def __init__(self, message: str, status: int = 143):
+        super().__init__(message)
+        self.status = status  # 128 + the signal that stopped it
 
 
 @dataclass(frozen=True)
@@ -113,12 +117,26 @@ def train(
         out(warning)
     for note in advice.notes(resolved):
         out(note)
-    with distributed.leader_first(proc, "run folder"):
-        found = (
-            run_dir.prepare(rp.run, resolved.checkpoint_identity(), force=force, log=out)
-            if proc.is_leader
-            else run_dir.scan(rp.run / "checkpoints")
-        )
+    with ExitStack() as held:  # process 0 holds the run folder's lock until the run ends
+        with distributed.leader_first(proc, "run folder"):
+            if proc.is_leader:
+                held.enter_context(lock.held(rp.run, log=out))
+                found = run_dir.prepare(rp.run, resolved.checkpoint_identity(), force=force, log=out)
+            else:
+                found = run_dir.scan(rp.run / "checkpoints")
+        return _run(resolved, rp, proc, found, verbose=verbose, out=out)
+
+
+def _run(
+    resolved: ResolvedRecipe,
+    rp: RunPaths,
+    proc: distributed.ProcessSpec,
+    found: run_dir.Checkpoints,
+    *,
+    verbose: bool,
+    out: Callable[[str], None],
+) -> dict | None:
+    """Build the corpus, check the keys and run MaxText from the checkpoints `found`."""
     steps = int(resolved.effective("steps"))
     start = 0 if found.latest is None else found.latest + 1
     if start >= steps:
@@ -152,7 +170,13 @@ def train(
         )
         from maxtext.trainers.pre_train import train as maxtext_train
 
-        with Progress(rp.metrics, steps, out=out) as progress:
+        ckpt_dir = rp.run / "checkpoints"
+        lr = resolved.effective("learning_rate")
+        with (
+            divergence.guard(rp.metrics, ckpt_dir, steps, lr, enabled=proc.is_leader),
+            Progress(rp.metrics, steps, out=out) as progress,
+            interrupt.graceful() as interrupts,
+        ):
             try:
                 maxtext_train.main(maxtext_config.argv(maxtext))
             except Exception as e:
@@ -166,8 +190,10 @@ def train(
                 raise
     last = progress.last
     if last is not None and int(last["step"]) + 1 < steps:
+        why = "Ctrl-C" if interrupts.count else "a termination signal"
         raise Stopped(
-            f"stopped after step {int(last['step']) + 1} of {steps} on a termination signal; its checkpoint "
-            f"is saved in {rp.run / 'checkpoints'}. Run the same command again to resume."
+            f"stopped after step {int(last['step']) + 1} of {steps} on {why}; its checkpoint "
+            f"is saved in {rp.run / 'checkpoints'}. Run the same command again to resume.",
+            status=130 if interrupts.count else 143,
         )
     return last
