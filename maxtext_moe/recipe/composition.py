@@ -24,6 +24,7 @@ Later values replace earlier ones key by key; command-line `key=value` overrides
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,8 @@ PREFIXES = {
     "attention": "attention",
 }
 COMMAND_LINE = "command line"
+# YAML 1.1 (PyYAML) reads a float only with a dot and a signed exponent: `3e-4` and `3e-05` stay strings.
+_NUMBER = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?")
 
 
 @dataclass(frozen=True)
@@ -166,6 +169,23 @@ def _check_key(section: str, key: str, where: str) -> None:
         raise UserError("is not a valid environment variable name.", key=f"env.{key}", source=where)
 
 
+def _as_number(key: str, value: Any) -> Any:
+    """`value` as YAML 1.2 reads it where MaxText's default for `key` is a number (`3e-4` -> 0.0003).
+
+    A float that is a whole number becomes an int for an integer key (`steps=1e3`); any other text is
+    left for `validate` to reject with the key's expected type.
+    """
+    default = maxtext_keys.defaults().get(key)
+    if not isinstance(value, str) or isinstance(default, bool) or not isinstance(default, (int, float)):
+        return value
+    if not _NUMBER.fullmatch(value.strip()):
+        return value
+    number = float(value)
+    if isinstance(default, int):
+        return int(number) if number.is_integer() else value
+    return number
+
+
 def _merge_file(comp: Composition, path: Path, stack: tuple[Path, ...]) -> dict[str, Any]:
     """Merge one file (its includes first) into `comp`; returns the file's own mapping."""
     where = paths.display(path)
@@ -198,7 +218,7 @@ def _merge_file(comp: Composition, path: Path, stack: tuple[Path, ...]) -> dict[
         for key, value in body.items():
             key = str(key)
             _check_key(section, key, where)
-            comp.sections[section][key] = Value(value, where)
+            comp.sections[section][key] = Value(_as_number(key, value) if section == "maxtext" else value, where)
     return data
 
 
@@ -237,5 +257,5 @@ def compose(ref: str, overrides: list[str] | tuple[str, ...] = ()) -> Compositio
     for text in overrides:
         section, key, value = parse_override(text)
         _check_key(section, key, COMMAND_LINE)
-        comp.sections[section][key] = Value(value, COMMAND_LINE)
+        comp.sections[section][key] = Value(_as_number(key, value) if section == "maxtext" else value, COMMAND_LINE)
     return comp
