@@ -56,6 +56,12 @@ PREFIXES = {
     "attention": "attention",
 }
 COMMAND_LINE = "command line"
+# MaxText keys that `run/train.py` sets itself: a value given for them would be ignored without a word.
+RESERVED = {
+    "metrics_file": "maxtext-moe writes each step's metrics to <run folder>/metrics.jsonl itself and follows "
+    "that file for its progress lines. Fix: read metrics.jsonl in the run folder; set base_output_directory "
+    "and run_name to choose the folder.",
+}
 # YAML 1.1 (PyYAML) reads a float only with a dot and a signed exponent: `3e-4` and `3e-05` stay strings.
 _NUMBER = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?")
 
@@ -140,6 +146,9 @@ def load_yaml(path: Path) -> dict[str, Any]:
 
 
 def _check_key(section: str, key: str, where: str) -> None:
+    if section == "maxtext" and key in RESERVED:
+        message, fix = RESERVED[key].split(" Fix: ")
+        raise UserError(f"is set by maxtext-moe, not by recipes: {message}", key=key, source=where, fix=fix)
     if section == "maxtext":
         known = maxtext_keys.defaults()
         if key not in known:
@@ -258,4 +267,12 @@ def compose(ref: str, overrides: list[str] | tuple[str, ...] = ()) -> Compositio
         section, key, value = parse_override(text)
         _check_key(section, key, COMMAND_LINE)
         comp.sections[section][key] = Value(_as_number(key, value) if section == "maxtext" else value, COMMAND_LINE)
+    if comp.sections["corpus"] and "grain_train_files" in comp.sections["maxtext"]:
+        raise UserError(
+            "is set, but the recipe's corpus section makes maxtext-moe prepare the corpus and point MaxText at it.",
+            key="grain_train_files",
+            source=comp.source("maxtext", "grain_train_files"),
+            fix="train on your own prepared corpus with a recipe without a corpus section (configs/data/prepared.yml), "
+            "or drop grain_train_files.",
+        )
     return comp

@@ -44,5 +44,5 @@ def test_launch_refuses_a_bad_time_and_an_image_with_spaces():
     assert ok.returncode == 0 and "#SBATCH --time=2-12:30\n" in ok.stdout, ok.stderr
     line = _one_error_line(run_cli("launch", "deepseek3-tiny-cpu", "--nodes", "1", "--slurm", "--time", "banana"))
     assert "--time" in line and "banana" in line
-    line = _one_error_line(run_cli("launch", "deepseek3-tiny-cpu", "--nodes", "1", "--image", "my image:1"))
+    line = _one_error_line(run_cli("launch", "deepseek3-tiny-cpu", "--nodes", "1", "--k8s", "--image", "my image:1"))
     assert "--image" in line
