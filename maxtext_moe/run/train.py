@@ -22,7 +22,7 @@ from maxtext_moe.data import corpus, prepared
 from maxtext_moe.errors import UserError
 from maxtext_moe.recipe import advice, maxtext_keys, xla_flags
 from maxtext_moe.recipe.resolved import ResolvedRecipe
-from maxtext_moe.run import distributed, run_dir
+from maxtext_moe.run import distributed, preflight, run_dir
 from maxtext_moe.run.progress import Progress
 from maxtext_moe.upstream import maxtext_config, remat
 
@@ -113,6 +113,9 @@ def train(
         out(warning)
     for note in advice.notes(resolved):
         out(note)
+    config = preflight.check(
+        resolved, dict(resolved.maxtext, base_output_directory=str(rp.output), run_name=rp.run.name)
+    )
     with distributed.leader_first(proc, "run folder"):
         found = (
             run_dir.prepare(rp.run, resolved.checkpoint_identity(), force=force, log=out)
@@ -143,7 +146,6 @@ def train(
             deepseek_layer.install(resolved.moe_settings)
         if resolved.attention["residuals"] == "save":
             remat.install()
-        config = maxtext_config.check(maxtext, resolved.sources)
         out(
             f"{resolved.name}: {config.num_decoder_layers} decoder layers, {resolved.topology.num_devices} device(s) "
             f"of {resolved.topology.hardware}, "

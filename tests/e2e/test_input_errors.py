@@ -14,7 +14,9 @@ def _one_error_line(r) -> str:
 
 
 def test_exponent_numbers_are_numbers_on_the_command_line_and_in_recipe_files(recipe_file):
-    path = recipe_file("include: [base/maxtext-moe, model/deepseek3-tiny, hardware/cpu]\nmaxtext: {learning_rate: 3e-05}\n")
+    path = recipe_file(
+        "include: [base/maxtext-moe, model/deepseek3-tiny, hardware/cpu]\nmaxtext: {learning_rate: 3e-05}\n"
+    )
     for args, want in (
         (("deepseek3-tiny-cpu", "learning_rate=3e-4"), 3e-4),
         (("deepseek3-tiny-cpu", "learning_rate=3e-05"), 3e-5),
@@ -32,7 +34,9 @@ def test_exponent_numbers_are_numbers_on_the_command_line_and_in_recipe_files(re
 
 
 def test_keys_maxtext_moe_sets_itself_are_refused(tmp_path):
-    line = _one_error_line(run_cli("train", "metrics_file=/tmp/m.jsonl", f"base_output_directory={tmp_path}", timeout=60))
+    line = _one_error_line(
+        run_cli("train", "metrics_file=/tmp/m.jsonl", f"base_output_directory={tmp_path}", timeout=60)
+    )
     assert "metrics_file:" in line and "metrics.jsonl" in line
     line = _one_error_line(run_cli("show", "deepseek3-tiny-cpu", "grain_train_files=/data/x*.arrayrecord"))
     assert "grain_train_files:" in line and "corpus" in line
@@ -46,3 +50,25 @@ def test_launch_refuses_a_bad_time_and_an_image_with_spaces():
     assert "--time" in line and "banana" in line
     line = _one_error_line(run_cli("launch", "deepseek3-tiny-cpu", "--nodes", "1", "--k8s", "--image", "my image:1"))
     assert "--image" in line
+
+
+def test_maxtext_rejects_a_key_in_one_line_before_the_run_folder_or_corpus_is_written(tmp_path):
+    for override, text in (
+        ("attention=foo", "attention: MaxText has no attention kernel 'foo'"),
+        ("dtype=float33", "dtype:"),
+    ):
+        r = run_cli("train", override, f"base_output_directory={tmp_path}", timeout=120)
+        assert text in _one_error_line(r), r.stderr
+        assert not any(tmp_path.iterdir()), f"{override}: the run folder or the corpus was written"
+
+
+def test_a_gpu_recipe_without_a_gpu_is_refused_before_anything_is_written(tmp_path):
+    import jax
+
+    if jax.default_backend() == "gpu":
+        return
+    for extra in ((), ("moe.impl=maxtext",)):
+        r = run_cli("train", "deepseek3-proxy-h200-1gpu", *extra, f"base_output_directory={tmp_path}", timeout=120)
+        line = _one_error_line(r)
+        assert "this recipe runs on h200 GPUs; jax sees none here" in line and "Fix:" in line
+        assert not any(tmp_path.iterdir())
