@@ -23,7 +23,7 @@ from maxtext_moe.errors import UserError
 from maxtext_moe.recipe import advice, maxtext_keys, xla_flags
 from maxtext_moe.recipe.resolved import ResolvedRecipe
 from maxtext_moe.run import distributed, preflight, run_dir
-from maxtext_moe.run.progress import Progress
+from maxtext_moe.run.progress import Progress, prints_to_log
 from maxtext_moe.upstream import maxtext_config, remat
 
 
@@ -154,7 +154,10 @@ def train(
         )
         from maxtext.trainers.pre_train import train as maxtext_train
 
-        with Progress(rp.metrics, steps, out=out) as progress:
+        with (
+            prints_to_log(proc.per_process(rp.log), out) as to_terminal,
+            Progress(rp.metrics, steps, out=to_terminal) as progress,
+        ):
             try:
                 maxtext_train.main(maxtext_config.argv(maxtext))
             except Exception as e:
