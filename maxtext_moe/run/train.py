@@ -1,10 +1,10 @@
 """Run MaxText's pre-training loop for a resolved recipe.
 
-The order is the point: check the recipe's XLA flags against XLA, guard the run folder, build the
-corpus, set the recipe's environment (XLA_FLAGS and friends are read when jax starts, so nothing here
-imports jax before this), check the keys with MaxText's own model, then call MaxText's `train.main`
-with exactly those keys.
-MaxText's full INFO log goes to `<run>/maxtext.log`; the terminal gets one progress line a step.
+The order is the point: check the recipe's XLA flags against XLA, set the recipe's environment
+(XLA_FLAGS and friends are read when jax starts, so nothing here imports jax before this), check that
+jax sees the recipe's GPUs and that MaxText's own model accepts the keys (`preflight`), and only then
+guard the run folder, build the corpus and call MaxText's `train.main` with exactly those keys.
+MaxText's full INFO log and its prints go to `<run>/maxtext.log`; the terminal gets one progress line a step.
 """
 
 from __future__ import annotations
