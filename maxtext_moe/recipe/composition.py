@@ -24,6 +24,7 @@ Later values replace earlier ones key by key; command-line `key=value` overrides
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,14 @@ PREFIXES = {
     "attention": "attention",
 }
 COMMAND_LINE = "command line"
+# MaxText keys that `run/train.py` sets itself: a value given for them would be ignored without a word.
+RESERVED = {
+    "metrics_file": "maxtext-moe writes each step's metrics to <run folder>/metrics.jsonl itself and follows "
+    "that file for its progress lines. Fix: read metrics.jsonl in the run folder; set base_output_directory "
+    "and run_name to choose the folder.",
+}
+# YAML 1.1 (PyYAML) reads a float only with a dot and a signed exponent: `3e-4` and `3e-05` stay strings.
+_NUMBER = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?")
 
 
 @dataclass(frozen=True)
@@ -137,6 +146,9 @@ def load_yaml(path: Path) -> dict[str, Any]:
 
 
 def _check_key(section: str, key: str, where: str) -> None:
+    if section == "maxtext" and key in RESERVED:
+        message, fix = RESERVED[key].split(" Fix: ")
+        raise UserError(f"is set by maxtext-moe, not by recipes: {message}", key=key, source=where, fix=fix)
     if section == "maxtext":
         known = maxtext_keys.defaults()
         if key not in known:
@@ -164,6 +176,23 @@ def _check_key(section: str, key: str, where: str) -> None:
         )
     elif section == "env" and (not key or not key.replace("_", "A").isalnum() or key[0].isdigit()):
         raise UserError("is not a valid environment variable name.", key=f"env.{key}", source=where)
+
+
+def _as_number(key: str, value: Any) -> Any:
+    """`value` as YAML 1.2 reads it where MaxText's default for `key` is a number (`3e-4` -> 0.0003).
+
+    A float that is a whole number becomes an int for an integer key (`steps=1e3`); any other text is
+    left for `validate` to reject with the key's expected type.
+    """
+    default = maxtext_keys.defaults().get(key)
+    if not isinstance(value, str) or isinstance(default, bool) or not isinstance(default, (int, float)):
+        return value
+    if not _NUMBER.fullmatch(value.strip()):
+        return value
+    number = float(value)
+    if isinstance(default, int):
+        return int(number) if number.is_integer() else value
+    return number
 
 
 def _merge_file(comp: Composition, path: Path, stack: tuple[Path, ...]) -> dict[str, Any]:
@@ -198,7 +227,7 @@ def _merge_file(comp: Composition, path: Path, stack: tuple[Path, ...]) -> dict[
         for key, value in body.items():
             key = str(key)
             _check_key(section, key, where)
-            comp.sections[section][key] = Value(value, where)
+            comp.sections[section][key] = Value(_as_number(key, value) if section == "maxtext" else value, where)
     return data
 
 
@@ -237,5 +266,13 @@ def compose(ref: str, overrides: list[str] | tuple[str, ...] = ()) -> Compositio
     for text in overrides:
         section, key, value = parse_override(text)
         _check_key(section, key, COMMAND_LINE)
-        comp.sections[section][key] = Value(value, COMMAND_LINE)
+        comp.sections[section][key] = Value(_as_number(key, value) if section == "maxtext" else value, COMMAND_LINE)
+    if comp.sections["corpus"] and "grain_train_files" in comp.sections["maxtext"]:
+        raise UserError(
+            "is set, but the recipe's corpus section makes maxtext-moe prepare the corpus and point MaxText at it.",
+            key="grain_train_files",
+            source=comp.source("maxtext", "grain_train_files"),
+            fix="train on your own prepared corpus with a recipe without a corpus section (configs/data/prepared.yml), "
+            "or drop grain_train_files.",
+        )
     return comp

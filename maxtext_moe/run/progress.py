@@ -9,9 +9,11 @@ terminal stays readable while MaxText's full log goes to a file.
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 
 
@@ -29,6 +31,19 @@ def _duration(seconds: float) -> str:
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)
     return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+@contextmanager
+def prints_to_log(log_file: Path, out: Callable[[str], None]) -> Iterator[Callable[[str], None]]:
+    """Send `print` output (MaxText's "Per train step: Total TFLOPs" lines) to `log_file`.
+
+    Yields `out` still reaching the terminal: `print` finds sys.stdout when called, so an `out` that is
+    `print` is bound to the terminal's stream first.
+    """
+    terminal = sys.stdout
+    to_terminal = (lambda line: print(line, file=terminal, flush=True)) if out is print else out
+    with open(log_file, "a", encoding="utf-8") as f, redirect_stdout(f):
+        yield to_terminal
 
 
 class Progress:
@@ -86,8 +101,11 @@ class Progress:
             if s1 > s0:
                 eta = f" | ETA {_duration((t1 - t0) / (s1 - s0) * (self.total - 1 - step))}"
         self.last = m
-        self.out(
-            f"step {step + 1:>5}/{self.total} | loss {m['learning/loss']:.4f}"
-            f" | {m.get('perf/per_device_tokens_per_sec', 0.0):,.0f} tokens/s/device"
-            f" | {m.get('perf/step_time_seconds', 0.0):.2f} s/step{eta}"
+        seconds = m.get("perf/step_time_seconds", 0.0)
+        # The first step this process runs includes compilation: its throughput would mislead.
+        rate = (
+            f"{m.get('perf/per_device_tokens_per_sec', 0.0):,.0f} tokens/s/device | {seconds:.2f} s/step"
+            if len(self._times) > 1
+            else "first step, includes compilation"
         )
+        self.out(f"step {step + 1:>5}/{self.total} | loss {m['learning/loss']:.4f} | {rate}{eta}")

@@ -1,10 +1,10 @@
 """Run MaxText's pre-training loop for a resolved recipe.
 
-The order is the point: check the recipe's XLA flags against XLA, guard the run folder, build the
-corpus, set the recipe's environment (XLA_FLAGS and friends are read when jax starts, so nothing here
-imports jax before this), check the keys with MaxText's own model, then call MaxText's `train.main`
-with exactly those keys.
-MaxText's full INFO log goes to `<run>/maxtext.log`; the terminal gets one progress line a step.
+The order is the point: check the recipe's XLA flags against XLA, set the recipe's environment
+(XLA_FLAGS and friends are read when jax starts, so nothing here imports jax before this), check that
+jax sees the recipe's GPUs and that MaxText's own model accepts the keys (`preflight`), and only then
+guard the run folder, build the corpus and call MaxText's `train.main` with exactly those keys.
+MaxText's full INFO log and its prints go to `<run>/maxtext.log`; the terminal gets one progress line a step.
 """
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from maxtext_moe.data import corpus, prepared
 from maxtext_moe.errors import UserError
 from maxtext_moe.recipe import advice, maxtext_keys, xla_flags
 from maxtext_moe.recipe.resolved import ResolvedRecipe
-from maxtext_moe.run import distributed, divergence, interrupt, lock, run_dir
-from maxtext_moe.run.progress import Progress
+from maxtext_moe.run import distributed, divergence, interrupt, lock, preflight, run_dir
+from maxtext_moe.run.progress import Progress, prints_to_log
 from maxtext_moe.upstream import maxtext_config, remat
 
 
@@ -117,6 +118,9 @@ def train(
         out(warning)
     for note in advice.notes(resolved):
         out(note)
+    config = preflight.check(
+        resolved, dict(resolved.maxtext, base_output_directory=str(rp.output), run_name=rp.run.name)
+    )
     with ExitStack() as held:  # process 0 holds the run folder's lock until the run ends
         with distributed.leader_first(proc, "run folder"):
             if proc.is_leader:
@@ -124,7 +128,7 @@ def train(
                 found = run_dir.prepare(rp.run, resolved.checkpoint_identity(), force=force, log=out)
             else:
                 found = run_dir.scan(rp.run / "checkpoints")
-        return _run(resolved, rp, proc, found, verbose=verbose, out=out)
+        return _run(resolved, rp, proc, found, config, verbose=verbose, out=out)
 
 
 def _run(
@@ -132,11 +136,13 @@ def _run(
     rp: RunPaths,
     proc: distributed.ProcessSpec,
     found: run_dir.Checkpoints,
+    config: Any,
     *,
     verbose: bool,
     out: Callable[[str], None],
 ) -> dict | None:
-    """Build the corpus, check the keys and run MaxText from the checkpoints `found`."""
+    """Build the corpus and run MaxText (its `config`, checked before anything was written) from the
+    checkpoints `found`."""
     steps = int(resolved.effective("steps"))
     start = 0 if found.latest is None else found.latest + 1
     if start >= steps:
@@ -161,7 +167,6 @@ def _run(
             deepseek_layer.install(resolved.moe_settings)
         if resolved.attention["residuals"] == "save":
             remat.install()
-        config = maxtext_config.check(maxtext, resolved.sources)
         out(
             f"{resolved.name}: {config.num_decoder_layers} decoder layers, {resolved.topology.num_devices} device(s) "
             f"of {resolved.topology.hardware}, "
@@ -174,7 +179,8 @@ def _run(
         lr = resolved.effective("learning_rate")
         with (
             divergence.guard(rp.metrics, ckpt_dir, steps, lr, enabled=proc.is_leader),
-            Progress(rp.metrics, steps, out=out) as progress,
+            prints_to_log(proc.per_process(rp.log), out) as to_terminal,
+            Progress(rp.metrics, steps, out=to_terminal) as progress,
             interrupt.graceful() as interrupts,
         ):
             try:

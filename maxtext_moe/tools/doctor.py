@@ -28,6 +28,7 @@ from maxtext_moe.recipe.resolved import ResolvedRecipe
 from maxtext_moe.recipe.validate import FP8_QUANTIZATIONS, MXFP8
 from maxtext_moe.run import distributed
 
+GPU_FIX = "run it on a GPU machine with jax[cuda13]==0.11.2 (pip install '.[gpu]'), or choose a CPU recipe"
 NCCL_EP_MIN = (2, 30, 4)  # TE's ep_dispatch/ep_combine (DESIGN.md section 2)
 FP8_MIN_CC = (8, 9)
 MXFP8_MIN_CC = (10, 0)
@@ -165,6 +166,25 @@ def te_reasons(r: ResolvedRecipe) -> list[str]:
     return reasons
 
 
+def require_gpu(r: ResolvedRecipe) -> None:
+    """Refuse a GPU recipe where jax has no GPU, before anything is written.
+
+    Only jax's backend is asked (no TE import, no library probe): without it a GPU recipe fails later with a
+    TE hint that never names the missing GPU, or trains MaxText's MoE on the CPU until memory runs out.
+    """
+    import jax
+
+    hw = r.topology.profile
+    backend = jax.default_backend()
+    if hw.maxtext_hardware == "gpu" and backend != "gpu":
+        raise UserError(
+            f"this recipe runs on {hw.name} GPUs; jax sees none here (backend {backend}).",
+            key="topology.hardware",
+            source=r.sources.get("topology.hardware", r.name),
+            fix=f"{GPU_FIX} (`maxtext-moe doctor {r.name}` lists what this machine lacks).",
+        )
+
+
 def compare(m: Machine, r: ResolvedRecipe) -> list[Line]:
     """One line per fact; a `gap` line for each requirement of `r` this machine does not meet."""
     t, hw = r.topology, r.topology.profile
@@ -175,10 +195,7 @@ def compare(m: Machine, r: ResolvedRecipe) -> list[Line]:
             "jax",
             f"{m.jax_version}, backend {m.backend}",
             "ok" if on_gpu or not gpu else "gap",
-            ""
-            if on_gpu or not gpu
-            else f"the recipe runs on {hw.name} GPUs (topology.hardware); run it on a "
-            "GPU machine with jax[cuda13]==0.11.2 (pip install '.[gpu]'), or choose a CPU recipe",
+            "" if on_gpu or not gpu else f"the recipe runs on {hw.name} GPUs (topology.hardware); {GPU_FIX}",
         )
     ]
     gpu_have = f"{m.device_kind}, {_sm(m.compute_capability)}" if on_gpu else "none (no CUDA device visible to jax)"

@@ -181,10 +181,31 @@ def check_fits(resolved: ResolvedRecipe) -> None:
         )
 
 
+# SLURM's --time: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S, or no limit.
+SLURM_TIME = re.compile(r"\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}|UNLIMITED|INFINITE", re.IGNORECASE)
+
+
+def _check_job_args(image: str | None, time: str) -> None:
+    """Refuse values the scheduler would reject only after the job is submitted, or that break the manifest."""
+    if not SLURM_TIME.fullmatch(time):
+        raise UserError(
+            f"{time!r} is not a SLURM time limit.",
+            key="--time",
+            fix="write minutes, HH:MM:SS or DAYS-HH[:MM[:SS]], e.g. --time 04:00:00 or --time 2-00:00:00.",
+        )
+    if image is not None and (not image or any(c.isspace() for c in image)):
+        raise UserError(
+            f"{image!r} is not a container image name (it is empty or holds white space).",
+            key="--image",
+            fix="give one image reference, e.g. --image registry.example.com/maxtext-moe:0.1.0.",
+        )
+
+
 def render(resolved: ResolvedRecipe, target: str, *, image: str | None = None, time: str = "04:00:00") -> str:
     """The job for `resolved` (already resolved with topology.nodes = the node count) on `target`."""
     if target not in TARGETS:
         raise UserError(f"unknown launch target {target!r}.", fix=f"use one of: {', '.join(TARGETS)}.")
+    _check_job_args(image, time)
     t = resolved.topology
     gpu = t.profile.maxtext_hardware == "gpu"
     # One process per GPU (JAX's SLURM detection, NVIDIA JAX-Toolbox; on two H200s one process for both

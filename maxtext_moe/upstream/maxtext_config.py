@@ -13,6 +13,19 @@ from typing import Any
 from maxtext_moe.errors import UserError
 from maxtext_moe.recipe import maxtext_keys
 
+# The kernels `AttentionOp.apply_attention` dispatches on (maxtext==0.2.5, layers/attention_op.py); any other
+# value passes the config model and fails with a bare ValueError once the model is traced.
+ATTENTION_KERNELS = (
+    "autoselected",
+    "dot_product",
+    "flash",
+    "cudnn_flash_te",
+    "cudnn_flash_jax",
+    "paged",
+    "vllm_rpa",
+    "vllm_batched_rpa",
+)
+
 
 def argv(maxtext: dict[str, Any]) -> list[str]:
     """MaxText's argv: program, base config, then one `key=value` per key (JSON is valid YAML flow)."""
@@ -27,6 +40,14 @@ def check(maxtext: dict[str, Any], sources: dict[str, str]) -> Any:
     """
     import pydantic
     from maxtext.configs import pyconfig
+
+    if maxtext.get("attention", "autoselected") not in ATTENTION_KERNELS:  # a free string to MaxText's model
+        raise UserError(
+            f"MaxText has no attention kernel {maxtext['attention']!r}.",
+            key="attention",
+            source=sources.get("maxtext.attention", "MaxText's defaults"),
+            fix=f"use one of: {', '.join(ATTENTION_KERNELS)}.",
+        )
 
     try:
         return pyconfig._initialize_pydantic(argv(dict(maxtext, log_config=False)))

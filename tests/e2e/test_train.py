@@ -41,6 +41,8 @@ def test_default_recipe_trains_on_real_text(trained):
     assert last < first - 2.0, (first, last)  # from ~ln(32000)+MTP to well below: it learns the text
     assert "corpus: " in r.stdout and "documents" in r.stdout
     assert any(line.startswith("step    30/30 | loss ") for line in r.stdout.splitlines())
+    assert "step     1/30 | loss" in r.stdout and "tokens/s" not in r.stdout.split("step     2/30")[0]
+    assert "Total TFLOPs" not in r.stdout and "Total TFLOPs" in (out / RUN / "maxtext.log").read_text()
 
 
 def test_checkpoints_and_tensorboard_are_on_disk(trained):
