@@ -1,6 +1,6 @@
 """Bytes each GPU moves per training step, by collective, and how long that takes on the profile.
 
-MaxText's XLA path sends a routed token once per chosen expert (DESIGN.md: no per-rank dedup), so
+MaxText's XLA path sends a routed token once per chosen expert, so
 the EP all-to-all volume grows with top-k; with per-rank dedup (our block, `moe.impl: ours`) it grows
 with the number of distinct ranks a token reaches, which group-limited routing caps. Upstream reports
 neither; both are here. Over XLA's plain all-to-all (our default `moe.exchange`) the wire carries a

@@ -1,6 +1,6 @@
 """Step time, TFLOPS/GPU and the fit verdict of one layout; text and JSON rendering.
 
-The compute rates are measured ones where we have them (DESIGN.md section 4, lent H200): a large
+The compute rates are measured ones where we have them (on an H200; docs/PERFORMANCE.md): a large
 BF16 GEMM reaches 790/989 of peak; the routed experts' grouped GEMM reaches 637/989 through TE,
 276/989 through tokamax and 23/989 through `jax.lax.ragged_dot`. Other profiles and FP8 are assumed
 to reach the same fraction of their own peak; flash attention is assumed at half of BF16 peak (not

@@ -1,11 +1,11 @@
-"""Model FLOPs per token, in the Megatron/MaxText convention (DESIGN.md section 3).
+"""Model FLOPs per token, in the Megatron/MaxText convention.
 
 6 x the matmul weights a token meets (router, MLA projections, dense FFNs, shared and top-k routed
 experts, LM head; not the embedding lookup) + causal attention 6 x L x heads x (d_qk + d_v) x S / 2.
 An MTP layer costs attention + MoE FFN of one more layer, its 2E->E projection and a second pass
 through the LM head. MaxText (`calculate_tflops_training_per_device`, which it computes only inside a
 running trainer) leaves out the last two; `total` counts them (DeepSeek-V3 at 4K: ~260 GFLOP/token
-with one MTP layer, DESIGN.md), `maxtext` does not, so both published and logged figures can be
+with one MTP layer, as published), `maxtext` does not, so both published and logged figures can be
 reproduced.
 """
 

@@ -2,7 +2,7 @@
 
 MaxText knows only `hardware=gpu|cpu|tpu`; it cannot tell a Hopper from a Blackwell, so it cannot
 refuse MXFP8 experts on an H200 before compiling. These profiles fill that gap. Figures are the
-vendors' dense (no sparsity) peaks, cited in ../shared/DESIGN.md section 3; `measured_*` fields are
+vendors' published dense (no sparsity) peaks; `measured_*` fields are
 rates measured on the lent H200 and are used only where stated.
 """
 

@@ -29,7 +29,7 @@ from maxtext_moe.recipe.validate import FP8_QUANTIZATIONS, MXFP8
 from maxtext_moe.run import distributed
 
 GPU_FIX = "run it on a GPU machine with jax[cuda13]==0.11.2 (pip install '.[gpu]'), or choose a CPU recipe"
-NCCL_EP_MIN = (2, 30, 4)  # TE's ep_dispatch/ep_combine (DESIGN.md section 2)
+NCCL_EP_MIN = (2, 30, 4)  # what TE 2.20.2's ep_dispatch/ep_combine need
 FP8_MIN_CC = (8, 9)
 MXFP8_MIN_CC = (10, 0)
 NCCL_EP_MIN_CC = (9, 0)
