@@ -196,10 +196,14 @@ def _run(
                 raise
     last = progress.last
     if last is not None and int(last["step"]) + 1 < steps:
+        # The stop saves the step in flight, whose metrics MaxText never writes: the checkpoint on disk
+        # is the step the run reached, and the one a re-run resumes after.
+        saved = run_dir.scan(ckpt_dir).latest if proc.is_leader else None
+        reached = max(int(last["step"]), -1 if saved is None else saved) + 1
         why = "Ctrl-C" if interrupts.count else "a termination signal"
         raise Stopped(
-            f"stopped after step {int(last['step']) + 1} of {steps} on {why}; its checkpoint "
-            f"is saved in {rp.run / 'checkpoints'}. Run the same command again to resume.",
+            f"stopped after step {reached} of {steps} on {why}; its checkpoint "
+            f"is saved in {ckpt_dir}. Run the same command again to resume.",
             status=130 if interrupts.count else 143,
         )
     return last

@@ -181,6 +181,7 @@ def test_sigterm_checkpoints_the_current_step_and_a_rerun_resumes(tmp_path):
     assert "on a termination signal; its checkpoint is saved" in err
     saved = run_dir.scan(tmp_path / RUN / "checkpoints").complete
     assert saved[0] == 0 and len(saved) == 2 and saved[1] >= 6, saved  # step 0 and the step SIGTERM reached
+    assert f"stopped after step {saved[1] + 1} of 400" in err  # the saved step, not the last one with metrics
     r = run_cli("train", "steps=" + str(saved[1] + 3), f"base_output_directory={tmp_path}", *SMALL)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resuming from step {saved[1] + 1}" in r.stdout
