@@ -87,7 +87,14 @@ class ResolvedRecipe:
         )
         shape = {k: self.effective(k) for k in sorted(keys)}
         digest = hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:16]
-        return {"recipe": self.name, "model_digest": digest, "model": shape}
+        return {"recipe": self.name, "model_digest": digest, "model": shape} | self.schedule()
+
+    def schedule(self) -> dict[str, Any]:
+        """The learning-rate schedule's length, and whether the recipe set it or it follows `steps` (MaxText's
+        -1): a resumed run whose schedule follows a changed `steps` would restart its cosine for the new total."""
+        explicit = int(self.effective("learning_rate_schedule_steps")) > 0
+        length = int(self.effective("learning_rate_schedule_steps" if explicit else "steps"))
+        return {"schedule_steps": length, "schedule_set": explicit}
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -122,11 +122,29 @@ def prepare(run_dir: Path, identity: dict[str, Any], *, force: bool, log=print) 
                 "Nothing was deleted.",
                 fix=f"move that folder out of {ckpt_dir} to resume from {resume}, or choose another run_name.",
             )
+    _check_schedule(owner if found.latest is not None else None, identity)
     for name in found.partial:
         log(f"checkpoints: ignoring interrupted save {ckpt_dir / name} (left in place)")
     run_dir.mkdir(parents=True, exist_ok=True)
     id_file.write_text(json.dumps(identity | {"written_by": "maxtext-moe"}, indent=1, sort_keys=True))
     return found
+
+
+def _check_schedule(owner: dict[str, Any] | None, identity: dict[str, Any]) -> None:
+    """Refuse to resume with a learning-rate schedule of another length that only followed `steps`: MaxText
+    builds the cosine for the new total, so the rate jumps back up. Setting `learning_rate_schedule_steps`
+    to the new length says the change is meant."""
+    before = (owner or {}).get("schedule_steps")
+    now = identity["schedule_steps"]
+    if before is None or before == now or identity["schedule_set"]:
+        return
+    raise UserError(
+        f"the checkpoints were trained on a {before}-step learning-rate schedule, and steps={now} would restart "
+        f"it as a {now}-step cosine on resume: the learning rate would jump back up.",
+        key="steps",
+        fix=f"to re-plan the schedule for {now} steps on purpose, add learning_rate_schedule_steps={now}; "
+        f"for runs that grow, set learning_rate_schedule_steps to the final length from the start.",
+    )
 
 
 def describe(run_dir: Path) -> str:

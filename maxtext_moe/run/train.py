@@ -146,7 +146,10 @@ def _run(
     steps = int(resolved.effective("steps"))
     start = 0 if found.latest is None else found.latest + 1
     if start >= steps:
-        out(f"{rp.run}: already trained {start} of {steps} steps; nothing to do. Raise steps=N to train further.")
+        out(
+            f"{rp.run}: already trained {start} of {steps} steps; nothing to do. Raise steps=N "
+            "(with learning_rate_schedule_steps=N) to train further."
+        )
         return None
     maxtext = dict(
         resolved.maxtext,

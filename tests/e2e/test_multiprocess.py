@@ -27,8 +27,8 @@ SHRINK = [
 ]
 
 
-def _train_two(out: Path, steps: int) -> list[subprocess.CompletedProcess]:
-    return _two("train", *SHRINK, f"steps={steps}", f"base_output_directory={out}")
+def _train_two(out: Path, steps: int, *more: str) -> list[subprocess.CompletedProcess]:
+    return _two("train", *SHRINK, f"steps={steps}", f"base_output_directory={out}", *more)
 
 
 def _two(*args: str) -> list[subprocess.CompletedProcess]:
@@ -77,7 +77,7 @@ def test_two_processes_train_checkpoint_and_resume(tmp_path):
     assert ckpts == [0, 2, 3]
     assert all((run / "checkpoints" / str(s) / "_CHECKPOINT_METADATA").is_file() for s in ckpts)
 
-    second = _train_two(out, steps=6)
+    second = _train_two(out, 6, "learning_rate_schedule_steps=6")  # a longer schedule, on purpose
     for i, r in enumerate(second):
         assert r.returncode == 0, f"process {i}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     assert "resuming from step 4, training to step 6" in second[0].stdout

@@ -111,6 +111,17 @@ def test_interrupted_save_is_reported_and_left_alone(trained, tmp_path):
     assert f"ignoring interrupted save {partial}" in r.stdout and partial.is_dir()
 
 
+def test_more_steps_on_resume_must_say_what_the_schedule_does(trained, tmp_path):
+    """Raising steps on resume would restart the cosine for the new total: refused, one line, nothing written."""
+    out = _copy(trained, tmp_path)
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    r = run_cli("train", "steps=40", f"base_output_directory={out}", *SMALL)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "steps: the checkpoints were trained on a 30-step learning-rate schedule, and steps=40" in r.stderr
+    assert "add learning_rate_schedule_steps=40" in r.stderr
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+
+
 def test_damaged_latest_checkpoint_is_refused_without_deleting(trained, tmp_path):
     out = _copy(trained, tmp_path)
     latest = out / RUN / "checkpoints" / "29"
@@ -133,7 +144,7 @@ def test_corrupt_checkpoint_data_gives_a_clear_resume_error(trained, tmp_path):
     for f in (out / RUN / "checkpoints" / "29" / "items").rglob("d/*"):
         if f.is_file():
             f.write_bytes(b"garbage")
-    r = run_cli("train", "steps=32", f"base_output_directory={out}", *SMALL)
+    r = run_cli("train", "steps=32", "learning_rate_schedule_steps=32", f"base_output_directory={out}", *SMALL)
     assert r.returncode == 2
     assert "MaxText failed before its first step while resuming from the checkpoint at step 29" in r.stderr
     assert "Nothing was deleted." in r.stderr and (out / RUN / "checkpoints" / "29").is_dir()
@@ -182,6 +193,7 @@ def test_sigterm_checkpoints_the_current_step_and_a_rerun_resumes(tmp_path):
     saved = run_dir.scan(tmp_path / RUN / "checkpoints").complete
     assert saved[0] == 0 and len(saved) == 2 and saved[1] >= 6, saved  # step 0 and the step SIGTERM reached
     assert f"stopped after step {saved[1] + 1} of 400" in err  # the saved step, not the last one with metrics
-    r = run_cli("train", "steps=" + str(saved[1] + 3), f"base_output_directory={tmp_path}", *SMALL)
+    more = [f"steps={saved[1] + 3}", "learning_rate_schedule_steps=400"]  # the same schedule, fewer steps
+    r = run_cli("train", *more, f"base_output_directory={tmp_path}", *SMALL)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resuming from step {saved[1] + 1}" in r.stdout
