@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from maxtext_moe import __version__
-from maxtext_moe.errors import UserError
+from maxtext_moe.errors import UserError, brief, root_cause
 from maxtext_moe.recipe import advice, composition
 from maxtext_moe.recipe.resolved import ResolvedRecipe
 from maxtext_moe.upstream import maxtext_errors
@@ -332,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(shown, UserError):
             print(f"maxtext-moe: error: {shown}", file=sys.stderr)
             return 2
-        print(
-            f"maxtext-moe: error: {type(shown).__name__}: {shown} (run with --traceback for details)", file=sys.stderr
-        )
+        cause = root_cause(shown)
+        why = "" if cause is shown else f"; cause: {brief(cause)}"
+        print(f"maxtext-moe: error: {brief(shown)}{why} (run with --traceback for details)", file=sys.stderr)
         return 1

@@ -37,6 +37,11 @@ _CHECKPOINT_SHAPE_KEYS = (
     "kv_lora_rank",
 )
 
+# Keys that change the optimizer state's tree in MaxText's `optimizers.get_optimizer`: its optax chain
+# (opt_type), the spike-skipping wrapper's extra state, and the masks that drop state for some parameters.
+# A checkpoint restores only into the same tree; dtypes (mu_dtype) are cast on restore and are not listed.
+_OPTIMIZER_STATE_KEYS = ("opt_type", "skip_step_on_spikes", "trainable_parameters_mask", "adamw_mask")
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -87,7 +92,8 @@ class ResolvedRecipe:
         )
         shape = {k: self.effective(k) for k in sorted(keys)}
         digest = hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:16]
-        return {"recipe": self.name, "model_digest": digest, "model": shape} | self.schedule()
+        optimizer = {k: self.effective(k) for k in _OPTIMIZER_STATE_KEYS}
+        return {"recipe": self.name, "model_digest": digest, "model": shape, "optimizer": optimizer} | self.schedule()
 
     def schedule(self) -> dict[str, Any]:
         """The learning-rate schedule's length, and whether the recipe set it or it follows `steps` (MaxText's

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from maxtext_moe.errors import UserError
+from maxtext_moe.run import checkpoint_data
 
 IDENTITY = "maxtext-moe-run.json"
 TMP_MARK = "orbax-checkpoint-tmp"
@@ -52,7 +53,7 @@ def _problem(step_dir: Path) -> str | None:
         json.loads((items / "_METADATA").read_text())
     except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
         return f"its items/_METADATA is unreadable ({e})"
-    return None
+    return checkpoint_data.problem(items)
 
 
 def scan(checkpoint_dir: Path) -> Checkpoints:
@@ -76,6 +77,12 @@ def _differences(old: dict[str, Any], new: dict[str, Any]) -> str:
     return "; ".join(diffs[:6]) + (" ..." if len(diffs) > 6 else "")
 
 
+def _optimizer_changes(old: dict[str, Any] | None, new: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """The optimizer keys whose change alters the saved state's tree (`checkpoint_identity`). Identity files
+    written before the optimizer was recorded, or before a key was, match any value: they still resume."""
+    return [(k, old[k], v) for k, v in new.items() if old is not None and k in old and old[k] != v]
+
+
 def prepare(run_dir: Path, identity: dict[str, Any], *, force: bool, log=print) -> Checkpoints:
     """Check `run_dir` against this recipe's identity; record the identity; report what resumes."""
     ckpt_dir = run_dir / "checkpoints"
@@ -88,13 +95,11 @@ def prepare(run_dir: Path, identity: dict[str, Any], *, force: bool, log=print) 
             owner = json.loads(id_file.read_text())
         except json.JSONDecodeError:
             owner = {}
-    mismatch = None
+    mismatch, undo = None, ""
     if has_any and owner is None:
         mismatch = f"{ckpt_dir} holds checkpoints that maxtext-moe did not write (no {IDENTITY})"
-    elif (
-        has_any
-        and owner is not None
-        and (owner.get("recipe") != identity["recipe"] or owner.get("model_digest") != identity["model_digest"])
+    elif has_any and (
+        owner.get("recipe") != identity["recipe"] or owner.get("model_digest") != identity["model_digest"]
     ):
         detail = _differences(owner.get("model", {}), identity["model"])
         mismatch = (
@@ -102,12 +107,18 @@ def prepare(run_dir: Path, identity: dict[str, Any], *, force: bool, log=print) 
             + (f" with another model shape ({detail})" if detail else "")
             + f", not of '{identity['recipe']}'"
         )
+    elif has_any and (changed := _optimizer_changes(owner.get("optimizer"), identity["optimizer"])):
+        mismatch = (
+            f"{ckpt_dir} holds checkpoints whose optimizer state has another structure "
+            f"({'; '.join(f'{k}: {old!r} -> {new!r}' for k, old, new in changed)}), which cannot be restored"
+        )
+        undo = ", or go back to " + ", ".join(f"{k}={old}" for k, old, _ in changed) + " to resume"
     if mismatch:
         if not force:
             raise UserError(
                 f"{mismatch}; refusing to resume from or overwrite them.",
                 fix="choose another run_name or base_output_directory, or pass --force to set the "
-                "old checkpoints aside (they are renamed, not deleted) and start fresh.",
+                f"old checkpoints aside (they are renamed, not deleted) and start fresh{undo}.",
             )
         aside = run_dir / f"checkpoints.set-aside-{time.strftime('%Y%m%d-%H%M%S')}"
         ckpt_dir.rename(aside)
@@ -124,10 +135,20 @@ def prepare(run_dir: Path, identity: dict[str, Any], *, force: bool, log=print) 
             )
     _check_schedule(owner if found.latest is not None else None, identity)
     for name in found.partial:
-        log(f"checkpoints: ignoring interrupted save {ckpt_dir / name} (left in place)")
+        log(f"checkpoints: ignoring interrupted save {ckpt_dir / name} ({_fate(name)})")
     run_dir.mkdir(parents=True, exist_ok=True)
     id_file.write_text(json.dumps(identity | {"written_by": "maxtext-moe"}, indent=1, sort_keys=True))
     return found
+
+
+def _fate(partial: str) -> str:
+    """What becomes of an interrupted save. Orbax (0.12, as MaxText creates its checkpointer) cleans up no
+    temporary folder at start, but a save of step N first deletes a leftover `N.orbax-checkpoint-tmp`,
+    the one name it writes to; any other name stays."""
+    step = partial.removesuffix(f".{TMP_MARK}")
+    if step.isdigit():
+        return f"Orbax deletes it if this run saves step {step}"
+    return "left in place; delete it once you no longer need it"
 
 
 def _check_schedule(owner: dict[str, Any] | None, identity: dict[str, Any]) -> None:

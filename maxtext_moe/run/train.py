@@ -2,8 +2,9 @@
 
 The order is the point: check the recipe's XLA flags against XLA, set the recipe's environment
 (XLA_FLAGS and friends are read when jax starts, so nothing here imports jax before this), check that
-jax sees the recipe's GPUs and that MaxText's own model accepts the keys (`preflight`), and only then
-guard the run folder, build the corpus and call MaxText's `train.main` with exactly those keys.
+jax sees the recipe's GPUs, that MaxText's own model accepts the keys and that a checkpoint fits on the disk
+(`preflight`), and only then guard the run folder, build the corpus and call MaxText's `train.main` with
+exactly those keys.
 MaxText's full INFO log and its prints go to `<run>/maxtext.log`; the terminal gets one progress line a step.
 """
 
@@ -20,10 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from maxtext_moe.data import corpus, prepared
-from maxtext_moe.errors import UserError
 from maxtext_moe.recipe import advice, maxtext_keys, xla_flags
 from maxtext_moe.recipe.resolved import ResolvedRecipe
-from maxtext_moe.run import distributed, divergence, interrupt, lock, preflight, run_dir
+from maxtext_moe.run import checkpoint_failures, distributed, divergence, interrupt, lock, preflight, run_dir
 from maxtext_moe.run.progress import Progress, prints_to_log
 from maxtext_moe.upstream import maxtext_config, remat
 
@@ -70,11 +70,12 @@ def _maxtext_logging(log_file: Path, verbose: bool) -> Iterator[None]:
     root = logging.getLogger()
     upstream = [(h, h.level) for h in root.handlers]
     for h, _level in upstream:
-        h.setLevel(logging.INFO if verbose else logging.ERROR)
+        h.setLevel(logging.INFO if verbose else logging.CRITICAL + 1)
     handlers: list[logging.Handler] = [logging.FileHandler(log_file, encoding="utf-8")]
     handlers[0].setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     console = logging.StreamHandler(sys.stderr)
     console.setLevel(logging.INFO if verbose else logging.ERROR)
+    console.addFilter(lambda record: verbose or not record.exc_info)
     handlers.append(console)
     old_level = root.level
     root.setLevel(logging.INFO)
@@ -189,13 +190,9 @@ def _run(
             try:
                 maxtext_train.main(maxtext_config.argv(maxtext))
             except Exception as e:
-                if start and progress.last is None:
-                    raise UserError(
-                        f"MaxText failed before its first step while resuming from the checkpoint at step "
-                        f"{found.latest} in {rp.run / 'checkpoints'}: {type(e).__name__}: {e}. Nothing was deleted.",
-                        fix="if the checkpoint is at fault, move that step's folder aside to resume from an earlier "
-                        f"one, or choose another run_name; details in {rp.log}.",
-                    ) from e
+                resuming = bool(start) and progress.last is None
+                if known := checkpoint_failures.explain(e, ckpt_dir, found, resuming=resuming, log=rp.log):
+                    raise known from e
                 raise
     last = progress.last
     if last is not None and int(last["step"]) + 1 < steps:

@@ -6,6 +6,7 @@ default recipe shrunk by overrides (shorter sequences, a 1 MiB corpus) so the su
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -102,13 +103,20 @@ def _copy(trained, tmp_path):
     return dst
 
 
-def test_interrupted_save_is_reported_and_left_alone(trained, tmp_path):
+def test_interrupted_saves_are_reported_as_orbax_treats_them(trained, tmp_path):
+    """Orbax deletes a leftover `N.orbax-checkpoint-tmp` when it saves step N, and leaves other names alone."""
     out = _copy(trained, tmp_path)
-    partial = out / RUN / "checkpoints" / "30.orbax-checkpoint-tmp-1234"
-    partial.mkdir()
-    r = run_cli("train", "steps=30", f"base_output_directory={out}", *SMALL)
-    assert r.returncode == 0
-    assert f"ignoring interrupted save {partial}" in r.stdout and partial.is_dir()
+    ckpt = out / RUN / "checkpoints"
+    replaced, kept = ckpt / "31.orbax-checkpoint-tmp", ckpt / "30.orbax-checkpoint-tmp-1234"
+    shutil.copytree(ckpt / "29", replaced)  # a save cut short before Orbax wrote its metadata
+    (replaced / "_CHECKPOINT_METADATA").unlink()
+    kept.mkdir()
+    r = run_cli("train", "steps=32", "learning_rate_schedule_steps=30", f"base_output_directory={out}", *SMALL)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"ignoring interrupted save {replaced} (Orbax deletes it if this run saves step 31)" in r.stdout
+    assert f"ignoring interrupted save {kept} (left in place; delete it once you no longer need it)" in r.stdout
+    assert "resuming from step 30" in r.stdout
+    assert not replaced.exists() and kept.is_dir() and run_dir.scan(ckpt).latest == 31
 
 
 def test_more_steps_on_resume_must_say_what_the_schedule_does(trained, tmp_path):
@@ -139,15 +147,69 @@ def test_damaged_latest_checkpoint_is_refused_without_deleting(trained, tmp_path
     )
 
 
-def test_corrupt_checkpoint_data_gives_a_clear_resume_error(trained, tmp_path):
+def _largest_chunk(items):
+    """(data file, offset, length) of the largest array chunk in an OCDBT checkpoint, from its index."""
+    import tensorstore as ts
+
+    kv = ts.KvStore.open(f"file://{items}/").result()
+    node = ts.ocdbt.dump(kv, ts.ocdbt.dump(kv).result()["versions"][-1]["root"]["location"]).result()
+    assert node["height"] == 0  # the tiny model's index is a single leaf
+    refs = [e["indirect_value"].split(":") for e in node["entries"] if "indirect_value" in e]
+    _, base, file_id, offset, length = max(refs, key=lambda ref: int(ref[-1]))
+    return items / (base + file_id), int(offset), int(length)
+
+
+def test_random_bytes_in_checkpoint_data_give_one_line_with_the_cause(trained, tmp_path):
+    """Bytes overwritten in place (the file keeps its length): Orbax's 82 KB "incompatible handler" error
+    becomes one line naming the step, the file's decoding error and the earlier step to resume from."""
     out = _copy(trained, tmp_path)
-    for f in (out / RUN / "checkpoints" / "29" / "items").rglob("d/*"):
-        if f.is_file():
-            f.write_bytes(b"garbage")
-    r = run_cli("train", "steps=32", "learning_rate_schedule_steps=32", f"base_output_directory={out}", *SMALL)
+    ckpt = out / RUN / "checkpoints"
+    data, offset, _ = _largest_chunk(ckpt / "29" / "items")
+    with data.open("r+b") as f:
+        f.seek(offset)
+        f.write(os.urandom(64))  # the chunk's zstd frame header
+    r = run_cli("train", "steps=32", "learning_rate_schedule_steps=30", f"base_output_directory={out}", *SMALL)
     assert r.returncode == 2
-    assert "MaxText failed before its first step while resuming from the checkpoint at step 29" in r.stderr
-    assert "Nothing was deleted." in r.stderr and (out / RUN / "checkpoints" / "29").is_dir()
+    (error,) = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(error) < 1500, error
+    assert error.startswith("maxtext-moe: error: the checkpoint at step 29 cannot be read: ValueError: ")
+    assert f'OCDBT database at local file "{ckpt / "29" / "items"}/"' in error and "ZSTD" in error
+    assert f"Fix: move {ckpt / '29'} out of {ckpt} to resume from step 20" in error
+    assert "Nothing was deleted." in error and run_dir.scan(ckpt).complete == [0, 10, 20, 29]
+
+
+def test_truncated_checkpoint_data_is_listed_as_damaged_and_refused(trained, tmp_path):
+    """A data file cut short (a copy or a disk that filled): found from the OCDBT index, before MaxText starts."""
+    out = _copy(trained, tmp_path)
+    ckpt = out / RUN / "checkpoints"
+    data, offset, length = _largest_chunk(ckpt / "29" / "items")
+    os.truncate(data, offset + length // 2)
+    listing = run_cli("checkpoints", f"base_output_directory={out}").stdout
+    assert f"DAMAGED: its data file {data} is truncated ({offset + length // 2} bytes" in listing
+    assert "move it aside to resume after step 20" in listing
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    r = run_cli("train", "steps=32", "learning_rate_schedule_steps=30", f"base_output_directory={out}", *SMALL)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-3000:]
+    assert f"the latest checkpoint {ckpt / '29'} is unusable: its data file {data} is truncated" in r.stderr
+    assert "to resume from step 20" in r.stderr
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+
+
+def test_a_changed_optimizer_is_refused_before_anything_is_written(trained, tmp_path):
+    """opt_type changes the optimizer state's tree, which Orbax cannot restore: refused up front, one line."""
+    out = _copy(trained, tmp_path)
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    r = run_cli("train", "steps=30", "opt_type=sgd", f"base_output_directory={out}", *SMALL)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-3000:]
+    assert "optimizer state has another structure (opt_type: 'adamw' -> 'sgd')" in r.stderr
+    assert "pass --force to set the old checkpoints aside" in r.stderr and "go back to opt_type=adamw" in r.stderr
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+    identity = out / RUN / run_dir.IDENTITY  # written before the optimizer was recorded: still resumes
+    old = json.loads(identity.read_text())
+    identity.write_text(json.dumps({k: v for k, v in old.items() if k != "optimizer"}))
+    r = run_cli("train", "steps=30", f"base_output_directory={out}", *SMALL)
+    assert r.returncode == 0 and "already trained 30 of 30 steps" in r.stdout, r.stderr[-3000:]
+    assert json.loads(identity.read_text())["optimizer"]["opt_type"] == "adamw"
 
 
 def test_another_recipe_never_overwrites_without_force(trained, tmp_path):
