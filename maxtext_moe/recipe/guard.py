@@ -60,6 +60,11 @@ class GuardSettings:
             keys |= {"abort_on_nan_loss": False, "abort_on_inf_loss": False}
         return keys
 
+    def sources(self, given: Mapping[str, str]) -> dict[str, str]:
+        """Where each field and each MaxText key it sets comes from, beside the `given` sources."""
+        derived = {f"maxtext.{k}": "derived from the guard section" for k in self.maxtext_keys()}
+        return derived | {f"guard.{k}": given.get(f"guard.{k}", "default") for k in asdict(self)}
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

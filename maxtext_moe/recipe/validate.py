@@ -383,7 +383,7 @@ def resolve(comp: Composition) -> ResolvedRecipe:
         sources.setdefault(f"attention.{key}", "default")
     guard = guard_section.resolve(comp.sections["guard"], check.value, lambda k: comp.source("maxtext", k))
     maxtext |= guard.maxtext_keys()
-    sources |= {f"maxtext.{k}": "derived from the guard section" for k in guard.maxtext_keys()}
+    sources |= guard.sources(sources)
     return ResolvedRecipe(
         name=comp.name,
         description=comp.description,
