@@ -19,6 +19,7 @@ finite loss and norms, so the checkpoints kept are finite.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -96,8 +97,9 @@ def spike_threshold(metrics_file: Path, step: int, settings: GuardSettings) -> t
     return None
 
 
-def set_aside(checkpoint_dir: Path, from_step: int) -> Path | None:
-    """Move checkpoints (and interrupted saves) of `from_step` and later out of the resume path."""
+def set_aside(checkpoint_dir: Path, from_step: int, why: str = "nonfinite") -> Path | None:
+    """Move checkpoints (and interrupted saves) of `from_step` and later out of the resume path, into a new
+    `checkpoints.<why>-<time>` folder."""
     doomed = [
         p
         for p in (sorted(checkpoint_dir.iterdir()) if checkpoint_dir.is_dir() else [])
@@ -105,8 +107,9 @@ def set_aside(checkpoint_dir: Path, from_step: int) -> Path | None:
     ]
     if not doomed:
         return None
-    aside = checkpoint_dir.parent / f"checkpoints.nonfinite-{time.strftime('%Y%m%d-%H%M%S')}"
-    aside.mkdir(exist_ok=True)
+    stem = checkpoint_dir.parent / f"checkpoints.{why}-{time.strftime('%Y%m%d-%H%M%S')}"
+    aside = next(p for n in itertools.count() if not (p := stem.with_name(stem.name + (f"-{n}" if n else ""))).exists())
+    aside.mkdir()
     for p in doomed:
         p.rename(aside / p.name)
     return aside
@@ -165,7 +168,7 @@ def conclude(
     if bad is None:
         return
     what = _what(bad, metrics_file, watcher.settings)
-    aside = set_aside(checkpoint_dir, bad.step)
+    aside = set_aside(checkpoint_dir, bad.step, "nonfinite" if bad.kind == "non-finite" else "spike")
     moved = f"; checkpoints {bad.step} and later were moved to {aside}" if aside else ""
     where = f"{'diverged' if bad.kind == 'non-finite' else 'hit a loss spike'} at step {bad.step + 1} of {total_steps}"
     if watcher.settings.action == "rollback":

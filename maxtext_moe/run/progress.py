@@ -1,4 +1,4 @@
-"""One readable progress line per step: step, loss, tokens/s and the time left.
+"""One readable progress line per step: step, loss, tokens/s, the time left, and a skipped update.
 
 MaxText logs a long line per step among hundreds of INFO lines and never says how long the run
 has left. It can also append each step's scalars to a JSON-lines file (`metrics_file`); this

@@ -196,7 +196,9 @@ def _run(
                 with (
                     divergence.guard(watcher, rp.metrics, ckpt_dir, steps, lr, enabled=proc.is_leader),
                     prints_to_log(proc.per_process(rp.log), out) as to_terminal,
-                    Progress(rp.metrics, steps, out=to_terminal, watch=watcher.see) as progress,
+                    Progress(
+                        rp.metrics, steps, out=to_terminal, watch=watcher.see if proc.is_leader else None
+                    ) as progress,
                     interrupt.graceful() as interrupts,
                 ):
                     try:
@@ -208,6 +210,8 @@ def _run(
                         raise
                 break
             except rollback.RolledBack as rolled:
+                if interrupts.count:  # the user asked to stop: the rollback is prepared for the next run
+                    raise Stopped(f"{rolled} Stopped on Ctrl-C instead; run the same command to go on.", 130) from None
                 out(f"guard: {rolled}")
                 found = run_dir.scan(ckpt_dir)
                 start = found.latest + 1

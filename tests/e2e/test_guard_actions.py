@@ -62,7 +62,7 @@ def test_a_loss_spike_stops_with_one_line_naming_the_step_the_loss_and_the_thres
     assert metrics[step]["optim/step_skipped"] == 1 and f"{metrics[step]['learning/loss']:.4f}" == m[2]
     assert float(m[2]) > float(m[3]) and all(metrics[s]["optim/step_skipped"] == 0 for s in range(step))
     kept = run_dir.scan(run / "checkpoints").complete
-    (aside,) = run.glob("checkpoints.nonfinite-*")
+    (aside,) = run.glob("checkpoints.spike-*")
     assert kept and max(kept) < step <= min(int(p.name) for p in aside.iterdir())
     assert f"A re-run resumes from checkpoint {max(kept)}." in error and "Fix: lower learning_rate (now 2.0)" in error
     assert step in _skipped_on_progress(r.stdout)
@@ -76,7 +76,7 @@ def test_skip_goes_on_past_each_spike_and_counts_it(tmp_path):
     skipped = sorted(s for s, m in read_metrics(run).items() if m["optim/step_skipped"] == 1)
     assert skipped and _skipped_on_progress(r.stdout) == skipped
     assert _guard_scalars(run)["guard/skipped_steps"] == [(s, float(n)) for n, s in enumerate(skipped, 1)]
-    assert run_dir.scan(run / "checkpoints").latest == 7 and not list(run.glob("checkpoints.nonfinite-*"))
+    assert run_dir.scan(run / "checkpoints").latest == 7 and not list(run.glob("checkpoints.*"))
 
 
 def test_rollback_resumes_from_the_last_good_checkpoint_with_the_data_past_the_bad_batch(tmp_path):
@@ -90,7 +90,7 @@ def test_rollback_resumes_from_the_last_good_checkpoint_with_the_data_past_the_b
     assert m, line
     bad, good, source = int(m[1]) - 1, int(m[2]), int(m[3])
     run = tmp_path / RUN
-    first = sorted(run.glob("checkpoints.nonfinite-*"))[0]
+    first = sorted(run.glob("checkpoints.spike-*"))[0]
     assert good < bad <= source and good in run_dir.scan(run / "checkpoints").complete
     state = "iter/process_0-of-1.json"
     assert (run / "checkpoints" / str(good) / state).read_text() == (first / str(source) / state).read_text()

@@ -92,3 +92,6 @@ def test_checkpoints_from_the_bad_step_on_are_moved_aside_not_deleted(tmp_path):
     assert sorted(p.name for p in aside.iterdir()) == ["4", "6.orbax-checkpoint-tmp-12"]
     assert (aside / "4" / "data").read_text() == "4"
     assert divergence.set_aside(ckpt, 3) is None
+    (ckpt / "4").mkdir()  # a rollback's next attempt reaches step 4 again, maybe within the same second
+    again = divergence.set_aside(ckpt, 3)
+    assert again != aside and (again / "4").is_dir() and (aside / "4" / "data").read_text() == "4"
