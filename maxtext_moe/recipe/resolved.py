@@ -36,15 +36,19 @@ _CHECKPOINT_SHAPE_KEYS = (
     "shared_experts",
     "q_lora_rank",
     "kv_lora_rank",
-    # MaxText's spike wrapper (guard.loss_spike) nests the optimizer state and keeps `window` losses in it.
-    "skip_step_on_spikes",
-    "skip_step_interval",
 )
 
 # Keys that change the optimizer state's tree in MaxText's `optimizers.get_optimizer`: its optax chain
-# (opt_type), the spike-skipping wrapper's extra state, and the masks that drop state for some parameters.
-# A checkpoint restores only into the same tree; dtypes (mu_dtype) are cast on restore and are not listed.
-_OPTIMIZER_STATE_KEYS = ("opt_type", "skip_step_on_spikes", "trainable_parameters_mask", "adamw_mask")
+# (opt_type), the spike-skipping wrapper's extra state (its buffers hold skip_step_interval steps), and the
+# masks that drop state for some parameters. A checkpoint restores only into the same tree; dtypes (mu_dtype)
+# are cast on restore and are not listed.
+_OPTIMIZER_STATE_KEYS = (
+    "opt_type",
+    "skip_step_on_spikes",
+    "skip_step_interval",
+    "trainable_parameters_mask",
+    "adamw_mask",
+)
 
 
 @dataclass(frozen=True)

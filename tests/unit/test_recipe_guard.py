@@ -36,7 +36,8 @@ def test_a_spike_factor_turns_on_maxtexts_spike_wrapper_and_changes_the_checkpoi
     assert r.maxtext["skip_step_scaling_factor"] == 4.0
     assert r.sources["maxtext.skip_step_on_spikes"] == "derived from the guard section"
     # The wrapper nests the optimizer state: a checkpoint written without it cannot be resumed with it.
-    assert r.checkpoint_identity()["model_digest"] != compose_resolve().checkpoint_identity()["model_digest"]
+    assert r.checkpoint_identity()["optimizer"] != compose_resolve().checkpoint_identity()["optimizer"]
+    assert compose_resolve("guard.window=16").checkpoint_identity() == compose_resolve().checkpoint_identity()
 
 
 def test_rollback_keeps_maxtext_from_exiting_on_a_nan_loss():
