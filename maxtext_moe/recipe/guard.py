@@ -84,7 +84,7 @@ def _whole(value: Any, least: int, key: str, where: str | None) -> int:
 
 
 def resolve(
-    section: Mapping[str, Sourced], maxtext_value: Callable[[str], Any], maxtext_source: Callable
+    section: Mapping[str, Sourced], maxtext_value: Callable[[str], Any], maxtext_source: Callable[[str], str | None]
 ) -> GuardSettings:
     """The checked `guard:` section. `maxtext_value(key)` is a MaxText key's effective value and
     `maxtext_source(key)` where the recipe set it (None when it did not)."""
@@ -115,11 +115,12 @@ def resolve(
             source=where("loss_spike"),
             fix="e.g. guard.loss_spike=6 (MaxText's default factor), or off.",
         )
-    window = _whole(section["window"].value, MIN_WINDOW, "window", where("window")) if "window" in section else 128
+    default = GuardSettings()
+    window = _whole(section["window"].value, MIN_WINDOW, "window", where("window")) if "window" in section else None
     rollbacks = (
         _whole(section["max_rollbacks"].value, 1, "max_rollbacks", where("max_rollbacks"))
         if ("max_rollbacks" in section)
-        else 3
+        else None
     )
     if action == "skip" and spike is None:
         raise UserError(
@@ -137,5 +138,8 @@ def resolve(
             fix="turn both on (configs/checkpoint/frequent.yml), or use guard.action: stop.",
         )
     return GuardSettings(
-        action=action, loss_spike=None if spike is None else float(spike), window=window, max_rollbacks=rollbacks
+        action=action,
+        loss_spike=None if spike is None else float(spike),
+        window=default.window if window is None else window,
+        max_rollbacks=default.max_rollbacks if rollbacks is None else rollbacks,
     )

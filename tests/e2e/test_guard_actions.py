@@ -121,3 +121,11 @@ def test_rollback_on_a_nan_loss_leaves_no_non_finite_checkpoint(tmp_path):
     kept = run_dir.scan(run / "checkpoints").complete
     assert kept and max(kept) < first_nan  # MaxText trained on past the NaN (no abort); none of it is kept
     assert [n for _, n in _guard_scalars(run)["guard/rollbacks"]] == [1.0]
+
+
+def test_rollback_on_synthetic_data_says_the_data_is_not_advanced(tmp_path):
+    args = [*SPIKE, "dataset_type=synthetic", "guard.action=rollback", "guard.max_rollbacks=1"]
+    r = run_cli("train", *args, f"base_output_directory={tmp_path}")
+    (line,) = [x for x in r.stdout.splitlines() if x.startswith("guard: ")]
+    assert "with the data as MaxText gives it (these checkpoints hold no data position to advance)" in line, line
+    assert r.returncode == 2 and not list((tmp_path / RUN).glob("checkpoints.spike-*/iter-of-checkpoint-*"))
