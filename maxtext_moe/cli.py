@@ -57,6 +57,7 @@ def render_show(r: ResolvedRecipe) -> str:
         ("corpus", r.corpus or {}, "corpus"),
         ("moe", r.moe, "moe"),
         ("attention", r.attention, "attention"),
+        ("guard", r.guard, "guard"),
     ):
         if not values:
             continue

@@ -17,6 +17,7 @@ File format (recipes and fragments alike; every section optional):
     corpus: {source: python-stdlib, max_mib: 8}      # text prepared locally for the Grain loader
     moe: {impl: ours, gemm: te}                      # which routed-MoE block and grouped GEMM run
     attention: {residuals: save}                     # keep flash attention's forward outputs for the backward
+    guard: {action: stop, loss_spike: off}           # what a diverging run does (recipe/guard.py)
 
 Later values replace earlier ones key by key; command-line `key=value` overrides come last.
 """
@@ -34,15 +35,32 @@ import yaml
 from maxtext_moe import paths
 from maxtext_moe.errors import UserError
 from maxtext_moe.moe import settings
-from maxtext_moe.recipe import maxtext_keys
+from maxtext_moe.recipe import guard, maxtext_keys
 
-SECTIONS = ("description", "include", "maxtext", "env", "xla_flags", "topology", "corpus", "moe", "attention")
+SECTIONS = (
+    "description",
+    "include",
+    "maxtext",
+    "env",
+    "xla_flags",
+    "topology",
+    "corpus",
+    "moe",
+    "attention",
+    "guard",
+)
 TOPOLOGY_FIELDS = ("hardware", "nodes", "gpus_per_node")
 CORPUS_FIELDS = ("source", "max_mib", "shards")
 MOE_FIELDS = tuple(settings.CHOICES)
 ATTENTION_FIELDS = ("residuals",)
 # sections with fixed fields
-FIELDS = {"topology": TOPOLOGY_FIELDS, "corpus": CORPUS_FIELDS, "moe": MOE_FIELDS, "attention": ATTENTION_FIELDS}
+FIELDS = {
+    "topology": TOPOLOGY_FIELDS,
+    "corpus": CORPUS_FIELDS,
+    "moe": MOE_FIELDS,
+    "attention": ATTENTION_FIELDS,
+    "guard": guard.FIELDS,
+}
 # Fields that moved to another section: old "section.field" -> new "section.field".
 MOVED = {"moe.attention_residuals": "attention.residuals"}
 # Command-line prefixes that address a section other than `maxtext`.
@@ -54,6 +72,7 @@ PREFIXES = {
     "corpus": "corpus",
     "moe": "moe",
     "attention": "attention",
+    "guard": "guard",
 }
 COMMAND_LINE = "command line"
 # MaxText keys that `run/train.py` sets itself: a value given for them would be ignored without a word.
@@ -248,7 +267,7 @@ def parse_override(text: str) -> tuple[str, str, Any]:
                 f"unknown prefix '{prefix}' in '{dotted}'.{suggest(prefix, tuple(PREFIXES))}",
                 source=COMMAND_LINE,
                 fix="use a MaxText key, or env.NAME, xla.FLAG, topology.FIELD, corpus.FIELD, moe.FIELD, "
-                "attention.FIELD.",
+                "attention.FIELD, guard.FIELD.",
             )
         section, key = PREFIXES[prefix], rest
     try:

@@ -14,6 +14,7 @@ from typing import Any
 
 from maxtext_moe.moe.settings import MoeSettings
 from maxtext_moe.recipe import maxtext_keys
+from maxtext_moe.recipe.guard import GuardSettings
 from maxtext_moe.recipe.hardware import Hardware, profile
 
 # Keys that change the shape or layout of saved parameters, besides those a MaxText model file sets.
@@ -38,9 +39,16 @@ _CHECKPOINT_SHAPE_KEYS = (
 )
 
 # Keys that change the optimizer state's tree in MaxText's `optimizers.get_optimizer`: its optax chain
-# (opt_type), the spike-skipping wrapper's extra state, and the masks that drop state for some parameters.
-# A checkpoint restores only into the same tree; dtypes (mu_dtype) are cast on restore and are not listed.
-_OPTIMIZER_STATE_KEYS = ("opt_type", "skip_step_on_spikes", "trainable_parameters_mask", "adamw_mask")
+# (opt_type), the spike-skipping wrapper's extra state (its buffers hold skip_step_interval steps), and the
+# masks that drop state for some parameters. A checkpoint restores only into the same tree; dtypes (mu_dtype)
+# are cast on restore and are not listed.
+_OPTIMIZER_STATE_KEYS = (
+    "opt_type",
+    "skip_step_on_spikes",
+    "skip_step_interval",
+    "trainable_parameters_mask",
+    "adamw_mask",
+)
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,7 @@ class ResolvedRecipe:
     corpus: dict[str, Any] | None
     moe: dict[str, Any] = field(default_factory=lambda: {"impl": "maxtext"})  # MoeSettings.to_dict()
     attention: dict[str, Any] = field(default_factory=lambda: {"residuals": "recompute"})  # validate._attention
+    guard: dict[str, Any] = field(default_factory=lambda: GuardSettings().to_dict())  # GuardSettings.to_dict()
     sources: dict[str, str] = field(default_factory=dict)  # "maxtext.steps" -> file or "command line"
     files: list[str] = field(default_factory=list)
 
@@ -75,6 +84,11 @@ class ResolvedRecipe:
     def moe_settings(self) -> MoeSettings:
         """The `moe` section as code reads it: typed, with every default filled in."""
         return MoeSettings.from_dict(self.moe)
+
+    @property
+    def guard_settings(self) -> GuardSettings:
+        """The `guard` section as code reads it: what a diverging run does."""
+        return GuardSettings.from_dict(self.guard)
 
     def effective(self, key: str) -> Any:
         """A MaxText key's value as MaxText will see it: recipe, else model file, else base.yml."""
@@ -112,6 +126,7 @@ class ResolvedRecipe:
             "corpus": self.corpus,
             "moe": self.moe,
             "attention": self.attention,
+            "guard": self.guard,
             "sources": self.sources,
             "files": self.files,
         }

@@ -18,6 +18,7 @@ from maxtext_moe.data import corpus as corpus_files
 from maxtext_moe.data import prepared
 from maxtext_moe.errors import UserError
 from maxtext_moe.moe.settings import MoeSettings
+from maxtext_moe.recipe import guard as guard_section
 from maxtext_moe.recipe import maxtext_keys
 from maxtext_moe.recipe.composition import Composition, suggest
 from maxtext_moe.recipe.hardware import PROFILES, Hardware
@@ -380,6 +381,9 @@ def resolve(comp: Composition) -> ResolvedRecipe:
     attention = _attention(comp, check)
     for key in attention:
         sources.setdefault(f"attention.{key}", "default")
+    guard = guard_section.resolve(comp.sections["guard"], check.value, lambda k: comp.source("maxtext", k))
+    maxtext |= guard.maxtext_keys()
+    sources |= guard.sources(sources)
     return ResolvedRecipe(
         name=comp.name,
         description=comp.description,
@@ -389,6 +393,7 @@ def resolve(comp: Composition) -> ResolvedRecipe:
         corpus=corpus,
         moe=moe,
         attention=attention,
+        guard=guard.to_dict(),
         sources=sources,
         files=list(comp.files),
     )

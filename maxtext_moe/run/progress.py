@@ -1,4 +1,4 @@
-"""One readable progress line per step: step, loss, tokens/s and the time left.
+"""One readable progress line per step: step, loss, tokens/s, the time left, and a skipped update.
 
 MaxText logs a long line per step among hundreds of INFO lines and never says how long the run
 has left. It can also append each step's scalars to a JSON-lines file (`metrics_file`); this
@@ -49,10 +49,18 @@ def prints_to_log(log_file: Path, out: Callable[[str], None]) -> Iterator[Callab
 class Progress:
     """Follows `metrics_file` from byte `offset` and reports each new step until stopped."""
 
-    def __init__(self, metrics_file: Path, total_steps: int, out: Callable[[str], None] = print, poll_s: float = 0.2):
+    def __init__(
+        self,
+        metrics_file: Path,
+        total_steps: int,
+        out: Callable[[str], None] = print,
+        poll_s: float = 0.2,
+        watch: Callable[[dict], None] | None = None,
+    ):
         self.path = metrics_file
         self.total = total_steps
         self.out = out
+        self.watch = watch  # also sees each step's scalars (the divergence guard)
         self.poll_s = poll_s
         self.offset = metrics_file.stat().st_size if metrics_file.exists() else 0
         self._stop = threading.Event()
@@ -86,7 +94,10 @@ class Progress:
                     break
                 self.offset += len(line.encode("utf-8"))
                 try:
-                    self.report(json.loads(line))
+                    m = json.loads(line)
+                    self.report(m)
+                    if self.watch is not None:
+                        self.watch(m)
                 except (json.JSONDecodeError, KeyError, TypeError):
                     continue
 
@@ -108,4 +119,5 @@ class Progress:
             if len(self._times) > 1
             else "first step, includes compilation"
         )
-        self.out(f"step {step + 1:>5}/{self.total} | loss {m['learning/loss']:.4f} | {rate}{eta}")
+        skipped = " | update skipped (spike)" if m.get("optim/step_skipped") == 1 else ""  # MaxText's spike wrapper
+        self.out(f"step {step + 1:>5}/{self.total} | loss {m['learning/loss']:.4f} | {rate}{eta}{skipped}")

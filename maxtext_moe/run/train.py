@@ -21,9 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from maxtext_moe.data import corpus, prepared
+from maxtext_moe.errors import UserError
 from maxtext_moe.recipe import advice, maxtext_keys, xla_flags
 from maxtext_moe.recipe.resolved import ResolvedRecipe
-from maxtext_moe.run import checkpoint_failures, distributed, divergence, interrupt, lock, preflight, run_dir
+from maxtext_moe.run import checkpoint_failures, distributed, divergence, interrupt, lock, preflight, rollback, run_dir
+from maxtext_moe.run.guard_counts import GuardCounts
 from maxtext_moe.run.progress import Progress, prints_to_log
 from maxtext_moe.upstream import maxtext_config, remat
 
@@ -114,6 +116,12 @@ def train(
         resolved.topology, timeout_s=int(resolved.effective("jax_distributed_initialization_timeout"))
     )
     out = out if proc.is_leader else distributed.quiet
+    if proc.num_processes > 1 and resolved.guard_settings.action == "rollback":
+        raise UserError(
+            f"guard.action is rollback, which restarts training inside this process; a job of "
+            f"{proc.num_processes} processes cannot do that in step.",
+            fix="use guard.action: stop (then run the job again) or skip.",
+        )
     expert_parallel = any(resolved.effective(f"{net}_expert_parallelism") != 1 for net in ("ici", "dcn"))
     if warning := distributed.layout_warning(proc, resolved.topology, expert_parallel):
         out(warning)
@@ -181,19 +189,34 @@ def _run(
 
         ckpt_dir = rp.run / "checkpoints"
         lr = resolved.effective("learning_rate")
-        with (
-            divergence.guard(rp.metrics, ckpt_dir, steps, lr, enabled=proc.is_leader),
-            prints_to_log(proc.per_process(rp.log), out) as to_terminal,
-            Progress(rp.metrics, steps, out=to_terminal) as progress,
-            interrupt.graceful() as interrupts,
-        ):
+        counts = GuardCounts(Path(config.tensorboard_dir) / rp.run.name if proc.is_leader else None)
+        watcher = divergence.Watcher(resolved.guard_settings, counts)
+        while True:  # once, unless guard.action: rollback restarts from the last good checkpoint
             try:
-                maxtext_train.main(maxtext_config.argv(maxtext))
-            except Exception as e:
-                resuming = bool(start) and progress.last is None
-                if known := checkpoint_failures.explain(e, ckpt_dir, found, resuming=resuming, log=rp.log):
-                    raise known from e
-                raise
+                with (
+                    divergence.guard(watcher, rp.metrics, ckpt_dir, steps, lr, enabled=proc.is_leader),
+                    prints_to_log(proc.per_process(rp.log), out) as to_terminal,
+                    Progress(
+                        rp.metrics, steps, out=to_terminal, watch=watcher.see if proc.is_leader else None
+                    ) as progress,
+                    interrupt.graceful() as interrupts,
+                ):
+                    try:
+                        maxtext_train.main(maxtext_config.argv(maxtext))
+                    except Exception as e:
+                        resuming = bool(start) and progress.last is None
+                        if known := checkpoint_failures.explain(e, ckpt_dir, found, resuming=resuming, log=rp.log):
+                            raise known from e
+                        raise
+                break
+            except rollback.RolledBack as rolled:
+                if interrupts.count:  # the user asked to stop: the rollback is prepared for the next run
+                    raise Stopped(f"{rolled} Stopped on Ctrl-C instead; run the same command to go on.", 130) from None
+                out(f"guard: {rolled}")
+                found = run_dir.scan(ckpt_dir)
+                start = found.latest + 1
+            finally:
+                counts.close()
     last = progress.last
     if last is not None and int(last["step"]) + 1 < steps:
         # The stop saves the step in flight, whose metrics MaxText never writes: the checkpoint on disk

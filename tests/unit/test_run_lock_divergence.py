@@ -66,11 +66,20 @@ def test_the_first_non_finite_loss_or_norm_is_found(tmp_path):
     f = tmp_path / "metrics.jsonl"
     ok = {"learning/loss": 3.0, "learning/grad_norm": 1.0, "learning/param_norm": 9.0}
     _metrics(f, [(0, ok), (1, ok | {"learning/param_norm": float("inf")}), (2, ok | {"learning/loss": float("nan")})])
-    assert divergence.first_bad_step(f) == (1, "learning/param_norm", float("inf"))
+    assert divergence.first_bad_step(f) == divergence.BadStep(1, "non-finite", "learning/param_norm", float("inf"))
     earlier_run = sum(len(line) for line in f.read_text().splitlines(keepends=True)[:2])  # lines a resume skips
-    assert divergence.first_bad_step(f, earlier_run)[:2] == (2, "learning/loss")
+    bad = divergence.first_bad_step(f, earlier_run)
+    assert (bad.step, bad.metric) == (2, "learning/loss")
     _metrics(f, [(0, ok), (1, ok)])
     assert divergence.first_bad_step(f) is None
+
+
+def test_a_step_maxtexts_spike_check_rejected_is_bad_only_where_spikes_stop_the_run(tmp_path):
+    f = tmp_path / "metrics.jsonl"
+    ok = {"learning/loss": 3.0, "learning/grad_norm": 1.0, "optim/step_skipped": 0.0}
+    _metrics(f, [(0, ok), (1, ok | {"learning/loss": 9.0, "optim/step_skipped": 1.0}), (2, ok)])
+    assert divergence.first_bad_step(f, spikes=True) == divergence.BadStep(1, "spike", "learning/loss", 9.0)
+    assert divergence.first_bad_step(f, spikes=False) is None  # guard.action: skip goes on
 
 
 def test_checkpoints_from_the_bad_step_on_are_moved_aside_not_deleted(tmp_path):
@@ -83,3 +92,6 @@ def test_checkpoints_from_the_bad_step_on_are_moved_aside_not_deleted(tmp_path):
     assert sorted(p.name for p in aside.iterdir()) == ["4", "6.orbax-checkpoint-tmp-12"]
     assert (aside / "4" / "data").read_text() == "4"
     assert divergence.set_aside(ckpt, 3) is None
+    (ckpt / "4").mkdir()  # a rollback's next attempt reaches step 4 again, maybe within the same second
+    again = divergence.set_aside(ckpt, 3)
+    assert again != aside and (again / "4").is_dir() and (aside / "4" / "data").read_text() == "4"
