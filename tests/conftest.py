@@ -42,18 +42,26 @@ def read_metrics(run_dir: Path) -> dict[int, dict]:
     return progress.read_metrics(run_dir / "metrics.jsonl")
 
 
-def tensorboard_tags(event_file: Path) -> set[str]:
-    """Scalar tags in a TensorBoard event file, parsed from its TFRecord framing."""
+def tensorboard_scalars(event_file: Path) -> dict[str, dict[int, float]]:
+    """Tag -> step -> value of the scalars in a TensorBoard event file, parsed from its TFRecord framing
+    with tensorboardX's protobufs (TensorBoard's own reader is not installed)."""
     from tensorboardX.proto import event_pb2
 
     data = event_file.read_bytes()
-    tags, pos = set(), 0
+    scalars: dict[str, dict[int, float]] = {}
+    pos = 0
     while pos + 12 <= len(data):
         (length,) = struct.unpack("<Q", data[pos : pos + 8])
         event = event_pb2.Event.FromString(data[pos + 12 : pos + 12 + length])
-        tags |= {v.tag for v in event.summary.value}
+        for v in event.summary.value:
+            scalars.setdefault(v.tag, {})[event.step] = v.simple_value
         pos += 12 + length + 4
-    return tags
+    return scalars
+
+
+def tensorboard_tags(event_file: Path) -> set[str]:
+    """Scalar tags in a TensorBoard event file."""
+    return set(tensorboard_scalars(event_file))
 
 
 @pytest.fixture
