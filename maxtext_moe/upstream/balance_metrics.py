@@ -86,14 +86,16 @@ def _labels(keys: tuple[str, ...], n: int, first_dense: int) -> list[str]:
     raise ValueError(f"MoE balance statistics at an unknown place in MaxText's model: {'/'.join(keys)}")
 
 
-def layer_scalars(intermediates: Mapping[str, Any], first_dense: int) -> dict[str, jax.Array]:
-    """`moe/<stat>/<layer>` for every `moe_balance_<stat>` the layers sowed."""
+def layer_scalars(intermediates: Mapping[str, Any], first_dense: int, microbatches: int = 1) -> dict[str, jax.Array]:
+    """`moe/<stat>/<layer>` for every `moe_balance_<stat>` the layers sowed. Under gradient accumulation
+    MaxText sums the intermediates of the step's `microbatches`; the scalars are then their mean (each
+    statistic is per micro-batch, averaged)."""
     out: dict[str, jax.Array] = {}
     for path, value in jax.tree_util.tree_leaves_with_path(intermediates):
         keys = tuple(str(k.key) for k in path if hasattr(k, "key"))
         if not keys or not keys[-1].startswith(PREFIX):
             continue
-        values = jnp.ravel(value)
+        values = jnp.ravel(value) / microbatches
         for i, label in enumerate(_labels(keys[:-1], values.shape[0], first_dense)):
             out[f"moe/{keys[-1].removeprefix(PREFIX)}/{label}"] = values[i]
     return out
@@ -119,7 +121,9 @@ def install() -> None:
     step: Callable[..., Any] = getattr(train.train_step, "maxtext_original", None) or train.train_step
 
     def record_with_balance(metrics: dict, intermediates: Any, config: Any) -> None:
-        metrics["scalar"].update(layer_scalars(intermediates, config.first_num_dense_layers))
+        metrics["scalar"].update(
+            layer_scalars(intermediates, config.first_num_dense_layers, config.gradient_accumulation_steps)
+        )
         record(metrics, intermediates, config)
 
     @functools.wraps(step)

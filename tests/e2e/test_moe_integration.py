@@ -149,7 +149,7 @@ def test_both_blocks_report_the_same_load_balance(runs):
     last = ours[STEPS - 1]
     ratio, worst = max((last[f"moe/tokens_max/{x}"] / last[f"moe/tokens_mean/{x}"], x) for x in LAYERS)
     name = "MTP1" if worst == "mtp_1" else f"L{int(worst[-3:])}"
-    assert 1.0 < ratio < 16.0  # 16 experts: 16x would be every token on one expert
+    assert 1.0 < ratio <= 2.0  # 16 experts, top-8: at 2x every token chose the busiest expert
     assert (
         f"step     {STEPS}/{STEPS} | loss {last['learning/loss']:.4f} | imb {ratio:.2f}x {name} | "
         in (runs["ours"] / "terminal.txt").read_text()

@@ -78,6 +78,9 @@ def test_layer_scalars_name_scanned_and_unrolled_layers_alike() -> None:
     want["moe/tokens_max/mtp_1"] = 6.0
     for tree in (scanned, unrolled):
         assert {k: float(v) for k, v in layer_scalars(tree, first_dense=1).items()} == want
+    # Gradient accumulation: MaxText sums the micro-batches' intermediates; the scalars are their mean.
+    halved = {k: float(v) for k, v in layer_scalars(scanned, first_dense=1, microbatches=2).items()}
+    assert halved == {k: v / 2 for k, v in want.items()}
     with pytest.raises(ValueError, match="unknown place"):
         layer_scalars({"decoder": {"other": {"moe_balance_tokens_max": (jnp.array(1.0),)}}}, first_dense=1)
 
