@@ -49,7 +49,8 @@ def balance_note(m: dict) -> str:
     if worst is None:
         return ""
     kind, _, number = worst[1].partition("_")
-    note = f" | imb {worst[0]:.2f}x {'MTP' if kind == 'mtp' else 'L'}{int(number)}"
+    short = {"layer": "L", "mtp": "MTP"}.get(kind, "") + str(int(number)) if number.isdigit() else worst[1]
+    note = f" | imb {worst[0]:.2f}x {short}"
     dropped = sum(v for k, v in m.items() if k.startswith("moe/dropped/"))
     return note + (f" | dropped {dropped:,.0f}" if dropped else "")
 

@@ -18,7 +18,8 @@ never hands out its expert counts. Three touches, each the smallest that reaches
   statistics only when the recipe asks for them.
 
 Layers are labelled as MaxText labels its activation scalars, `layer_NNN` by decoder layer (dense layers
-count), and `mtp_N` for the multi-token-prediction layers. Scanned and unrolled decoders both work: a
+count), and `mtp_N` for the multi-token-prediction layers; layers elsewhere (pipeline stages, engram chunks) by
+their path in the model. Scanned and unrolled decoders both work: a
 scanned stack sows one value per layer, stacked; an unrolled one one value per layer object.
 """
 
@@ -83,7 +84,8 @@ def _labels(keys: tuple[str, ...], n: int, first_dense: int) -> list[str]:
         if m := _MOE_STACK.fullmatch(k):
             start = first_dense + int(m.group(1) or 0)
             return [f"layer_{start + i:03d}" for i in range(n)]
-    raise ValueError(f"MoE balance statistics at an unknown place in MaxText's model: {'/'.join(keys)}")
+    # Elsewhere (pipeline stages, engram chunks): the path itself, so that a metric never stops a run.
+    return ["-".join(keys) + (f"_{i}" if n > 1 else "") for i in range(n)]
 
 
 def layer_scalars(intermediates: Mapping[str, Any], first_dense: int, microbatches: int = 1) -> dict[str, jax.Array]:

@@ -81,8 +81,11 @@ def test_layer_scalars_name_scanned_and_unrolled_layers_alike() -> None:
     # Gradient accumulation: MaxText sums the micro-batches' intermediates; the scalars are their mean.
     halved = {k: float(v) for k, v in layer_scalars(scanned, first_dense=1, microbatches=2).items()}
     assert halved == {k: v / 2 for k, v in want.items()}
-    with pytest.raises(ValueError, match="unknown place"):
-        layer_scalars({"decoder": {"other": {"moe_balance_tokens_max": (jnp.array(1.0),)}}}, first_dense=1)
+    elsewhere = {"decoder": {"moe_layers_outside_pipeline": {"moe_balance_tokens_max": (jnp.array([1.0, 2.0]),)}}}
+    assert {k: float(v) for k, v in layer_scalars(elsewhere, first_dense=1).items()} == {
+        "moe/tokens_max/decoder-moe_layers_outside_pipeline_0": 1.0,
+        "moe/tokens_max/decoder-moe_layers_outside_pipeline_1": 2.0,
+    }
 
 
 def test_progress_note_names_the_worst_layer_and_any_drop() -> None:
@@ -91,3 +94,6 @@ def test_progress_note_names_the_worst_layer_and_any_drop() -> None:
     assert balance_note(m) == " | imb 1.59x MTP1"
     assert balance_note(m | {"moe/dropped/mtp_1": 12.0}) == " | imb 1.59x MTP1 | dropped 12"
     assert balance_note({"learning/loss": 2.0}) == ""
+    label = "decoder-moe_layers_outside_pipeline_1"  # a layer outside the usual stacks keeps its path
+    elsewhere = {f"moe/tokens_max/{label}": 3.0, f"moe/tokens_mean/{label}": 2.0}
+    assert balance_note(elsewhere) == f" | imb 1.50x {label}"
