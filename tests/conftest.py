@@ -42,18 +42,19 @@ def read_metrics(run_dir: Path) -> dict[int, dict]:
     return progress.read_metrics(run_dir / "metrics.jsonl")
 
 
-def tensorboard_scalars(event_file: Path) -> dict[str, list[tuple[int, float]]]:
-    """Tag -> (step, value) of each scalar in a TensorBoard event file, parsed from its TFRecord framing."""
+def tensorboard_scalars(event_file: Path) -> dict[str, dict[int, float]]:
+    """Tag -> step -> value of the scalars in a TensorBoard event file, parsed from its TFRecord framing
+    with tensorboardX's protobufs (TensorBoard's own reader is not installed)."""
     from tensorboardX.proto import event_pb2
 
     data = event_file.read_bytes()
-    scalars: dict[str, list[tuple[int, float]]] = {}
+    scalars: dict[str, dict[int, float]] = {}
     pos = 0
     while pos + 12 <= len(data):
         (length,) = struct.unpack("<Q", data[pos : pos + 8])
         event = event_pb2.Event.FromString(data[pos + 12 : pos + 12 + length])
         for v in event.summary.value:
-            scalars.setdefault(v.tag, []).append((event.step, v.simple_value))
+            scalars.setdefault(v.tag, {})[event.step] = v.simple_value
         pos += 12 + length + 4
     return scalars
 

@@ -25,6 +25,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from maxtext_moe.errors import UserError
+from maxtext_moe.moe import balance
 from maxtext_moe.moe.exchange import exchange, transpose
 from maxtext_moe.moe.layer import MoEConfig, Params, check_dropless, gate_logits, shared_expert
 from maxtext_moe.moe.receive import expand_reduce, expert_copies, guard_capacity, receive_rows
@@ -35,9 +36,12 @@ from maxtext_moe.moe.settings import DEFAULT_PATH, EP_AXIS, ExpertPath
 __all__ = ["EP_AXIS", "ep_moe_forward_emulated", "ep_moe_forward_sharded", "ep_routed", "ep_routed_sharded"]
 
 
-def ep_routed(x: jax.Array, plan: DispatchPlan, experts: Params, path: ExpertPath, *, check: bool = True) -> jax.Array:
+def ep_routed(
+    x: jax.Array, plan: DispatchPlan, experts: Params, path: ExpertPath, *, check: bool = True
+) -> tuple[jax.Array, jax.Array]:
     """Routed-expert output [T, D] float32 for this rank's tokens `x` [T, D], its `plan`, and its expert
-    shard `experts` ({wi_0, wi_1: [L, D, F], wo: [L, F, D]}). Runs per rank under shard_map or vmap over
+    shard `experts` ({wi_0, wi_1: [L, D, F], wo: [L, F, D]}), and the (token, expert) copies the ranks'
+    experts computed together (int32, the same on every rank). Runs per rank under shard_map or vmap over
     `path.axis_name`.
 
     Send: row i of the send buffer is x[row_token[i]]; in each destination's receive buffer (`receive_rows`
@@ -72,9 +76,10 @@ def ep_routed(x: jax.Array, plan: DispatchPlan, experts: Params, path: ExpertPat
     )
     if copies_cap is not None and copies_cap < capacity * plan.row_experts.shape[1]:
         guard_capacity(jax.lax.pmax(copies, axis), copies_cap, factor, "(token, expert) copies")
+    computed = jax.lax.psum(copies, axis)
     if check:
         expected = x.shape[0] * plan.top_k * ranks
-        check_dropless(jax.lax.psum(copies, axis), expected, "the expert ranks together", scope="EP")
+        check_dropless(computed, expected, "the expert ranks together", scope="EP")
     back = ex(
         y_recv.astype(x.dtype),
         recv_offsets,
@@ -83,29 +88,36 @@ def ep_routed(x: jax.Array, plan: DispatchPlan, experts: Params, path: ExpertPat
         send_sizes,
         rows=plan.row_token.shape[0],
     )
-    return jax.ops.segment_sum(back.astype(jnp.float32), plan.row_token, num_segments=x.shape[0])
+    return jax.ops.segment_sum(back.astype(jnp.float32), plan.row_token, num_segments=x.shape[0]), computed
 
 
 def _rank_routed(
     gate: Params, experts: Params, x: jax.Array, *, cfg: MoEConfig, ranks: int, path: ExpertPath
 ) -> tuple[jax.Array, ...]:
     """`layer.routed_experts` on one rank's tokens `x` [..., D], with the experts spread over the ranks:
-    (float32 output shaped like `x`, expert ids and weights [..., k])."""
+    (float32 output shaped like `x`, expert ids and weights [..., k], the (token, expert) copies the ranks
+    did not compute [1], the same on every rank of the group)."""
     tokens = x.reshape(-1, cfg.emb_dim)
     routing = route(gate_logits(tokens, gate["kernel"]), gate["bias"], cfg.routing)
     plan = plan_dispatch(
         routing.indices, routing.weights, cfg.routing.num_experts, ranks, dedup=path.dedup, check=cfg.check_dropless
     )
-    routed = ep_routed(tokens, plan, experts, path, check=cfg.check_dropless)
+    routed, computed = ep_routed(tokens, plan, experts, path, check=cfg.check_dropless)
+    lost = balance.dropped(tokens.shape[0] * cfg.routing.top_k * ranks, computed)
     lead = x.shape[:-1]
-    return routed.reshape(x.shape), routing.indices.reshape(*lead, -1), routing.weights.reshape(*lead, -1)
+    return (
+        routed.reshape(x.shape),
+        routing.indices.reshape(*lead, -1),
+        routing.weights.reshape(*lead, -1),
+        lost.reshape(1),
+    )
 
 
 def _rank_forward(gate: Params, experts: Params, shared: Params, x: jax.Array, **kw) -> tuple[jax.Array, ...]:
     """`layer.moe_forward` on one rank's tokens, with the routed experts spread over the ranks."""
-    routed, indices, weights = _rank_routed(gate, experts, x, **kw)
+    routed, indices, weights, lost = _rank_routed(gate, experts, x, **kw)
     y = routed + shared_expert(x, shared).astype(jnp.float32)
-    return y.astype(x.dtype), indices, weights
+    return y.astype(x.dtype), indices, weights, lost
 
 
 def _split_tokens(x: jax.Array, cfg: MoEConfig, ranks: int) -> jax.Array:
@@ -120,11 +132,13 @@ def _split_tokens(x: jax.Array, cfg: MoEConfig, ranks: int) -> jax.Array:
     return tokens
 
 
-def _routing(indices: jax.Array, weights: jax.Array, cfg: MoEConfig) -> Routing:
+def _routing(indices: jax.Array, weights: jax.Array, lost: jax.Array, ranks: int, cfg: MoEConfig) -> Routing:
+    """The routing of all ranks; `lost` holds each rank's count of its group's lost copies, so the sum over
+    ranks / `ranks` is the sum over expert-parallel groups."""
     k = cfg.routing.top_k
     indices, weights = indices.reshape(-1, k), weights.reshape(-1, k)
     counts = jnp.bincount(indices.reshape(-1), length=cfg.routing.num_experts).astype(jnp.int32)
-    return Routing(indices, weights, counts)
+    return Routing(indices, weights, counts, jnp.sum(lost) / ranks)
 
 
 _EXPERT_KEYS = ("wi_0", "wi_1", "wo")
@@ -145,10 +159,10 @@ def ep_moe_forward_emulated(
     shards = {n: p[n].reshape(ranks, num_local, *p[n].shape[1:]) for n in _EXPERT_KEYS}
     path = dataclasses.replace(path, exchange="emulated", axis_name=EP_AXIS, buffer_factor=-1.0, own_adjoint=False)
     body = functools.partial(_rank_forward, cfg=cfg, ranks=ranks, path=path)
-    y, indices, weights = jax.vmap(body, in_axes=(None, 0, None, 0), axis_name=EP_AXIS)(
+    y, indices, weights, lost = jax.vmap(body, in_axes=(None, 0, None, 0), axis_name=EP_AXIS)(
         p["gate"], shards, params["shared_experts"], tokens.reshape(ranks, -1, cfg.emb_dim)
     )
-    return y.reshape(x.shape), _routing(indices, weights, cfg)
+    return y.reshape(x.shape), _routing(indices, weights, lost, ranks, cfg)
 
 
 def ep_routed_sharded(
@@ -182,14 +196,14 @@ def ep_routed_sharded(
     axis = path.axis_name
     ranks = mesh.shape[axis]
     local_experts(cfg.routing.num_experts, ranks)  # our message, before shard_map's own about uneven shards
-    routed, indices, weights = jax.shard_map(
+    routed, indices, weights, lost = jax.shard_map(
         functools.partial(_rank_routed, cfg=cfg, ranks=ranks, path=path),
         mesh=mesh,
         in_specs=(P(), P(axis), token_spec),
-        out_specs=token_spec,
+        out_specs=(token_spec, token_spec, token_spec, P(mesh.axis_names)),  # lost: one entry per device
         check_vma=path.backend == "ragged_dot" if check_vma is None else check_vma,
     )(p["gate"], {n: p[n] for n in _EXPERT_KEYS}, x)
-    return routed, _routing(indices, weights, cfg)
+    return routed, _routing(indices, weights, lost, ranks, cfg)
 
 
 def ep_moe_forward_sharded(

@@ -25,6 +25,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from maxtext_moe.errors import UserError
+from maxtext_moe.moe import balance
 from maxtext_moe.moe.align import take_rows
 from maxtext_moe.moe.gemm import grouped_matmul
 from maxtext_moe.moe.routing import Routing, RoutingConfig, route
@@ -143,7 +144,8 @@ def expert_mlp(
 def routed_experts(
     p: Params, tokens: jax.Array, cfg: MoEConfig, path: ExpertPath = DEFAULT_PATH
 ) -> tuple[jax.Array, Routing]:
-    """The routed experts alone on `tokens` [T, emb_dim]: (float32 [T, emb_dim], the routing used).
+    """The routed experts alone on `tokens` [T, emb_dim]: (float32 [T, emb_dim], the routing used, with the
+    copies the grouped GEMMs did not reach as `dropped`).
 
     `p` is MaxText's `MoeBlock_0` subtree.
     """
@@ -155,7 +157,7 @@ def routed_experts(
     out_sorted = expert_mlp(x_sorted, p, group_sizes, path)
     out = take_rows(out_sorted, inverse, order, False).reshape(-1, k, cfg.emb_dim)
     routed = jnp.einsum("tkd,tk->td", out, routing.weights.astype(tokens.dtype), preferred_element_type=jnp.float32)
-    return routed, routing
+    return routed, routing._replace(dropped=balance.dropped(x_sorted.shape[0], jnp.sum(group_sizes)))
 
 
 def moe_forward(

@@ -55,11 +55,14 @@ class RoutingConfig:
 
 
 class Routing(NamedTuple):
-    """Per-token choice: `indices`/`weights` are [tokens, k]; `counts` is tokens per expert, [E]."""
+    """Per-token choice: `indices`/`weights` are [tokens, k]; `counts` is tokens per expert, [E]. `dropped`:
+    the (token, expert) copies the experts did not compute, float32, measured by the layer that ran them
+    (None straight from `route`, which computes no expert)."""
 
     indices: jax.Array
     weights: jax.Array
     counts: jax.Array
+    dropped: jax.Array | None = None
 
 
 def route(logits: jax.Array, bias: jax.Array, cfg: RoutingConfig) -> Routing:

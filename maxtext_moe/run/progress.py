@@ -1,4 +1,5 @@
-"""One readable progress line per step: step, loss, tokens/s, the time left, and a skipped update.
+"""One readable progress line per step: step, loss, the worst MoE layer's load imbalance, tokens/s, the time
+left, and a skipped update.
 
 MaxText logs a long line per step among hundreds of INFO lines and never says how long the run
 has left. It can also append each step's scalars to a JSON-lines file (`metrics_file`); this
@@ -31,6 +32,27 @@ def _duration(seconds: float) -> str:
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)
     return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+def balance_note(m: dict) -> str:
+    """` | imb 1.80x L3`: the MoE layer whose busiest expert is furthest above the mean load (`moe/tokens_max`
+    over `moe/tokens_mean`, see `moe.balance`: 1.00x is perfect balance), and ` | dropped N` when layers
+    dropped (token, expert) copies; empty for a step without those scalars. No jax here (see train.py)."""
+    worst: tuple[float, str] | None = None
+    for key, busiest in m.items():
+        if key.startswith("moe/tokens_max/"):
+            layer = key.removeprefix("moe/tokens_max/")
+            mean = m.get(f"moe/tokens_mean/{layer}", 0.0)
+            ratio = busiest / mean if mean > 0 else float("inf")
+            if worst is None or ratio > worst[0]:
+                worst = (ratio, layer)
+    if worst is None:
+        return ""
+    kind, _, number = worst[1].partition("_")
+    short = {"layer": "L", "mtp": "MTP"}.get(kind, "") + str(int(number)) if number.isdigit() else worst[1]
+    note = f" | imb {worst[0]:.2f}x {short}"
+    dropped = sum(v for k, v in m.items() if k.startswith("moe/dropped/"))
+    return note + (f" | dropped {dropped:,.0f}" if dropped else "")
 
 
 @contextmanager
@@ -120,4 +142,5 @@ class Progress:
             else "first step, includes compilation"
         )
         skipped = " | update skipped (spike)" if m.get("optim/step_skipped") == 1 else ""  # MaxText's spike wrapper
-        self.out(f"step {step + 1:>5}/{self.total} | loss {m['learning/loss']:.4f} | {rate}{eta}{skipped}")
+        loss = f"loss {m['learning/loss']:.4f}{balance_note(m)}"
+        self.out(f"step {step + 1:>5}/{self.total} | {loss} | {rate}{eta}{skipped}")

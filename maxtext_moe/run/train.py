@@ -173,10 +173,15 @@ def _run(
                 resolved.corpus, source, corpus.default_dir(rp.output), log=out
             )
     with _maxtext_logging(proc.per_process(rp.log), verbose):
+        from maxtext_moe.upstream import balance_metrics
+
         if resolved.moe_settings.ours:  # before MaxText builds the model; after jax.distributed is up (TE probe)
             from maxtext_moe.upstream import deepseek_layer
 
             deepseek_layer.install(resolved.moe_settings)
+        else:
+            balance_metrics.install_counted_layer()
+        balance_metrics.install()
         if resolved.attention["residuals"] == "save":
             remat.install()
         out(

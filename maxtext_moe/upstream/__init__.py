@@ -5,6 +5,9 @@ Each module names the gap it fills. `SYMBOLS` lists what they touch, so that one
 
 - `deepseek_layer`: rebinds `maxtext.models.deepseek.DeepSeekMoELayer` to run our routed experts, and reads
   `RoutedMoE`'s mesh helpers and loss functions.
+- `balance_metrics`: per-layer MoE load balance in the step metrics: wraps `train.train_step`, rebinds
+  `train.record_activation_metrics`, and for MaxText's own block rebinds `DeepSeekMoELayer` to a subclass
+  that re-runs its gate and `RoutedMoE.get_topk`.
 - `maxtext_block`: MaxText's own `RoutedAndSharedMoE` on our parameters (the yardstick in tests, benchmarks).
 - `remat`: wraps `NNXDecoder.get_remat_policy` to keep flash attention's forward outputs.
 - `maxtext_config`: `pyconfig._initialize_pydantic`, MaxText's config model without its `sys.exit`.
@@ -20,6 +23,8 @@ from __future__ import annotations
 # (distribution, module, attribute path): what the modules above read or replace.
 SYMBOLS: tuple[tuple[str, str, str], ...] = (
     ("maxtext", "maxtext.models.deepseek", "DeepSeekMoELayer.mlp_op"),
+    ("maxtext", "maxtext.layers.moe", "RoutedMoE.get_topk"),
+    ("maxtext", "maxtext.layers.moe", "GateLogit.__call__"),
     ("maxtext", "maxtext.layers.moe", "RoutedMoE.get_expert_parallelism_size"),
     ("maxtext", "maxtext.layers.moe", "RoutedMoE.get_ragged_buffer_factor"),
     ("maxtext", "maxtext.layers.moe", "RoutedMoE._logical_to_mesh_axes"),
@@ -33,6 +38,7 @@ SYMBOLS: tuple[tuple[str, str, str], ...] = (
     ("maxtext", "maxtext.utils.max_utils", "transformer_engine_context"),
     ("maxtext", "maxtext.trainers.pre_train.train", "main"),
     ("maxtext", "maxtext.trainers.pre_train.train", "train_step"),
+    ("maxtext", "maxtext.trainers.pre_train.train", "record_activation_metrics"),
     ("maxtext", "maxtext.trainers.pre_train.train_compile", "get_shaped_inputs"),
     ("maxtext", "maxtext.trainers.pre_train.train_compile", "jit_and_compile"),
     ("maxtext", "maxtext.utils.maxtext_utils", "create_device_mesh"),

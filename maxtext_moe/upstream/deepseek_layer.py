@@ -19,7 +19,8 @@ the layer calls its MoE block, and computes the routed experts with `layer.route
 sort and grouped GEMMs on the chosen backend) on the block's own variables; the shared expert stays
 MaxText's `MlpBlock`. What MaxText's loop reads from the block comes out as before: the output, the
 load-balance loss (MaxText's own loss functions, fed our routing) and the aux-loss-free bias update
-(MaxText's `load_balance_updates_from_counts` on our expert counts; the loop adds it to the gate bias).
+(MaxText's `load_balance_updates_from_counts` on our expert counts; the loop adds it to the gate bias). It
+also sows its load balance (`balance_metrics.sow`), with the copies its grouped GEMMs did not reach.
 
 Expert parallelism: when MaxText's mesh has an `expert` axis of size > 1, the routed experts run through
 `expert_parallel.ep_routed_sharded` under `shard_map` over MaxText's own mesh, sharded as MaxText's
@@ -50,6 +51,7 @@ from maxtext_moe.moe import expert_parallel, gemm
 from maxtext_moe.moe.layer import MoEConfig, Params, gate_logits, routed_experts
 from maxtext_moe.moe.routing import Routing, RoutingConfig
 from maxtext_moe.moe.settings import EP_AXIS, ExpertPath, Impl, MoeSettings
+from maxtext_moe.upstream import balance_metrics
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +146,7 @@ class OurDeepSeekMoELayer(deepseek.DeepSeekMoELayer):
         x = x.astype(mt.dtype)
         tokens = x.reshape(-1, cfg.emb_dim)
         params = _routed_params(block.MoeBlock_0, cfg.routing.num_experts)
+        has_bias = block.MoeBlock_0.gate.bias is not None
         if block.MoeBlock_0.get_expert_parallelism_size() > 1:
             routed, routing = _expert_parallel(block.MoeBlock_0, params, x, cfg, self.settings, self.expert_path)
         else:
@@ -152,6 +155,7 @@ class OurDeepSeekMoELayer(deepseek.DeepSeekMoELayer):
             x, intermediate_sharding=self.mlp_intermediate_sharding, out_sharding=self.out_sharding
         )
         out = routed.astype(mt.dtype).reshape(x.shape) + shared
+        balance_metrics.sow(self, routing.counts, routing.dropped, params["gate"]["bias"] if has_bias else None)
         return (
             self.with_logical_constraint(out),
             _load_balance_loss(block.MoeBlock_0, params, tokens, x.shape, routing),

@@ -40,7 +40,7 @@ def _guard_scalars(run) -> dict[str, list[tuple[int, float]]]:
     for f in sorted((run / "tensorboard" / RUN).glob("events.out.tfevents.*")):
         for tag, points in tensorboard_scalars(f).items():
             if tag.startswith("guard/"):
-                found.setdefault(tag, []).extend(points)
+                found.setdefault(tag, []).extend(points.items())
     return found
 
 

@@ -136,3 +136,10 @@ def test_ours_with_ep2_trains_as_maxtext_block(tmp_path: Path) -> None:
     for step in range(STEPS):
         assert abs(ours[step] - mt[step]) <= RTOL * mt[step], (step, ours[step], mt[step])
     assert ours[STEPS - 1] < ours[0] - 0.5, ours  # the loss moved, so "equal" compares trained models
+    # Load balance through the sharded dispatch: the expert counts of all devices, as MaxText's block routes
+    # the same tokens, and no copy lost in the exchange.
+    ours_m, mt_m = read_metrics(tmp_path / "ours" / RUN), read_metrics(tmp_path / "maxtext" / RUN)
+    layers = ("layer_001", "layer_002", "layer_003", "mtp_1")
+    for stat in ("tokens_max", "tokens_mean", "top_share"):
+        assert [ours_m[0][f"moe/{stat}/{x}"] for x in layers] == [mt_m[0][f"moe/{stat}/{x}"] for x in layers], stat
+    assert all(ours_m[step][f"moe/dropped/{x}"] == 0 for step in range(STEPS) for x in layers)

@@ -17,6 +17,7 @@ import pytest
 from conftest import read_metrics, run_cli
 
 from maxtext_moe.cli import resolve
+from maxtext_moe.moe import balance
 from maxtext_moe.run import run_dir
 from maxtext_moe.tools import doctor
 
@@ -38,9 +39,14 @@ RATE = 0.001  # routed_bias_update_rate of configs/model/deepseek3-tiny.yml
 RTOL = 1e-5
 
 
+# The tiny model's MoE layers, as the balance scalars name them: decoder layers 1-3 (layer 0 is dense), the MTP layer.
+LAYERS = ("layer_001", "layer_002", "layer_003", "mtp_1")
+
+
 def _train(out: Path, *overrides: str) -> None:
     r = run_cli("train", RUN, *COMMON, f"base_output_directory={out}", *overrides, cwd=out.parent)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (out / "terminal.txt").write_text(r.stdout)
 
 
 def _losses(out: Path, key: str = "learning/loss") -> dict[int, float]:
@@ -126,6 +132,42 @@ def test_gate_bias_moves_as_with_maxtext(runs):
         np.testing.assert_allclose(bias, steps_taken * RATE, atol=1e-7, err_msg=name)  # whole steps of size rate
         assert np.all(np.abs(steps_taken) <= STEPS) and np.any(steps_taken), name
         assert not np.array_equal(bias, first[name]), name  # it kept moving after the first step
+
+
+def test_both_blocks_report_the_same_load_balance(runs):
+    """Same seed, same data: the per-layer expert loads and biases MaxText's block reports (its own gate and
+    top-k, re-run) equal what our layer measures, at every step; ours says it dropped nothing; the terminal
+    names the worst layer of the last step."""
+    mt, ours = read_metrics(runs["maxtext"] / RUN), read_metrics(runs["ours"] / RUN)
+    for step in range(STEPS):
+        for stat in (*balance.LOAD_STATS, *balance.BIAS_STATS):
+            for layer in LAYERS:
+                key = f"moe/{stat}/{layer}"
+                assert ours[step][key] == mt[step][key], (step, key, ours[step][key], mt[step][key])
+        assert [ours[step][f"moe/dropped/{layer}"] for layer in LAYERS] == [0.0] * len(LAYERS)
+        assert not any(k.startswith("moe/dropped/") for k in mt[step])  # MaxText's block does not say
+    last = ours[STEPS - 1]
+    ratio, worst = max((last[f"moe/tokens_max/{x}"] / last[f"moe/tokens_mean/{x}"], x) for x in LAYERS)
+    name = "MTP1" if worst == "mtp_1" else f"L{int(worst[-3:])}"
+    assert 1.0 < ratio <= 2.0  # 16 experts, top-8: at 2x every token chose the busiest expert
+    assert (
+        f"step     {STEPS}/{STEPS} | loss {last['learning/loss']:.4f} | imb {ratio:.2f}x {name} | "
+        in (runs["ours"] / "terminal.txt").read_text()
+    )
+
+
+def test_bias_statistics_are_the_bias_each_step_routed_with(runs):
+    """The bias a step routes with is the one the previous step saved: step 4's statistics are those of the
+    step-3 checkpoint's gate biases, layer by layer; step 0 routes with the initial bias, 0."""
+    m = read_metrics(runs["ours"] / RUN)
+    biases = _gate_biases(runs["ours"] / RUN / "checkpoints" / "3")
+    stacked = next(b for name, b in biases.items() if "moe_layers" in name)  # [3 MoE layers, 16 experts]
+    per_layer = dict(zip(LAYERS, [*stacked, next(b for name, b in biases.items() if "mtp" in name)], strict=True))
+    for layer, bias in per_layer.items():
+        got = [m[4][f"moe/{s}/{layer}"] for s in balance.BIAS_STATS]
+        np.testing.assert_allclose(got, [bias.min(), bias.max(), np.abs(bias).mean()], rtol=1e-6, err_msg=layer)
+        assert [m[0][f"moe/{s}/{layer}"] for s in balance.BIAS_STATS] == [0.0, 0.0, 0.0]
+    assert len({m[4][f"moe/bias_mean_abs/{x}"] for x in LAYERS}) > 1  # the layers' biases differ: not one figure
 
 
 def test_install_rebinds_the_deepseek_layer_the_decoder_builds(monkeypatch):

@@ -126,7 +126,7 @@ def _ranked_plans(dedup: bool) -> tuple[jax.Array, send_plan.DispatchPlan, dict]
 
 def _ep_routed(x: jax.Array, plans: send_plan.DispatchPlan, shards: dict) -> jax.Array:
     body = functools.partial(expert_parallel.ep_routed, path=ExpertPath(exchange="emulated"))
-    return jax.vmap(body, axis_name=EP_AXIS)(x, plans, shards)
+    return jax.vmap(body, axis_name=EP_AXIS)(x, plans, shards)[0]
 
 
 @pytest.mark.parametrize("dedup", [True, False])
@@ -139,6 +139,21 @@ def test_dropless_check_fires_on_a_corrupted_plan(dedup: bool) -> None:
     wrong = dataclasses.replace(plans, row_experts=plans.row_experts.at[2, 0, 0].set(7))  # rank holds 0..3 only
     with pytest.raises(Exception, match="EP dispatch is not dropless"):
         _ep_routed(x, wrong, shards).block_until_ready()
+
+
+@pytest.mark.parametrize("dedup", [True, False])
+def test_lost_copies_are_measured_with_the_check_off(dedup: bool) -> None:
+    """What the ranks' experts computed, not the plan's intent: a row the exchange never delivers shows up as
+    lost copies (one, or with dedup up to top-k, which that row carried), on every rank alike."""
+    x, plans, shards = _ranked_plans(dedup)
+    body = functools.partial(expert_parallel.ep_routed, path=ExpertPath(exchange="emulated"), check=False)
+    expected = 4 * 16 * CFG.routing.top_k  # 4 ranks x 16 tokens x top-k
+    _, computed = jax.vmap(body, axis_name=EP_AXIS)(x, plans, shards)
+    np.testing.assert_array_equal(np.asarray(computed), expected)
+    short = dataclasses.replace(plans, send_counts=plans.send_counts.at[0, 1].add(-1))
+    _, computed = jax.vmap(body, axis_name=EP_AXIS)(x, short, shards)
+    lost = expected - np.asarray(computed)
+    assert len(set(lost)) == 1 and (1 <= lost[0] <= CFG.routing.top_k if dedup else lost[0] == 1), lost
 
 
 def test_plan_rejects_experts_out_of_range_and_uneven_splits() -> None:
