@@ -97,9 +97,18 @@ def _maxtext_logging(log_file: Path, verbose: bool) -> Iterator[None]:
 
 
 def train(
-    resolved: ResolvedRecipe, *, force: bool = False, verbose: bool = False, out: Callable[[str], None] = print
+    resolved: ResolvedRecipe,
+    *,
+    force: bool = False,
+    verbose: bool = False,
+    out: Callable[[str], None] = print,
+    count_upstream_routing: bool = True,
 ) -> dict | None:
-    """Train `resolved` to its `steps`, resuming from the latest checkpoint; returns the last metrics."""
+    """Train `resolved` to its `steps`, resuming from the latest checkpoint; returns the last metrics.
+
+    `count_upstream_routing`: with MaxText's own MoE block, re-run its gate and top-k to report the load balance
+    (one extra top-k a layer); `bench` turns it off so that MaxText's block is timed as MaxText ships it.
+    """
     prepared.require_train_files(resolved.maxtext, resolved.files[-1] if resolved.files else resolved.name)
     rp = run_paths(resolved)
     xla_flags.check(resolved)  # XLA would abort the run on a flag it does not know, after the start-up
@@ -137,7 +146,9 @@ def train(
                 found = run_dir.prepare(rp.run, resolved.checkpoint_identity(), force=force, log=out)
             else:
                 found = run_dir.scan(rp.run / "checkpoints")
-        return _run(resolved, rp, proc, found, config, verbose=verbose, out=out)
+        return _run(
+            resolved, rp, proc, found, config, verbose=verbose, out=out, count_upstream_routing=count_upstream_routing
+        )
 
 
 def _run(
@@ -149,6 +160,7 @@ def _run(
     *,
     verbose: bool,
     out: Callable[[str], None],
+    count_upstream_routing: bool,
 ) -> dict | None:
     """Build the corpus and run MaxText (its `config`, checked before anything was written) from the
     checkpoints `found`."""
@@ -179,7 +191,7 @@ def _run(
             from maxtext_moe.upstream import deepseek_layer
 
             deepseek_layer.install(resolved.moe_settings)
-        else:
+        elif count_upstream_routing:
             balance_metrics.install_counted_layer()
         balance_metrics.install()
         if resolved.attention["residuals"] == "save":

@@ -162,7 +162,7 @@ def run(
     # The planner's step time needs a device peak; on the CPU only its FLOPs count applies.
     predicted = plan.estimate(bench_recipe) if hw.peak_bf16_tflops else None
     flops = plan_flops.per_token(plan.Model.from_recipe(bench_recipe), int(bench_recipe.effective("max_target_length")))
-    train.train(bench_recipe, out=out)
+    train.train(bench_recipe, out=out, count_upstream_routing=False)
     import jax
 
     if jax.process_index() != 0:  # one process writes the metrics file and reports (multi-process runs)
