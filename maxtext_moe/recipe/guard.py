@@ -48,7 +48,7 @@ class GuardSettings:
     max_rollbacks: int = 3
 
     def maxtext_keys(self) -> dict[str, Any]:
-        """The MaxText keys that carry this out: the spike wrapper, and no abort where a rollback follows."""
+        """The MaxText keys that carry this out: the spike wrapper, and no abort where a skip or a rollback follows."""
         keys: dict[str, Any] = {}
         if self.loss_spike is not None:
             keys |= {
@@ -56,7 +56,9 @@ class GuardSettings:
                 "skip_step_interval": self.window,
                 "skip_step_scaling_factor": self.loss_spike,
             }
-        if self.action == "rollback":  # the run must reach a checkpoint past the bad batch, not exit at it
+        # skip: the wrapper skips a non-finite step too (`upstream.skip_nonfinite`) and the run goes on;
+        # rollback: the run must reach a checkpoint past the bad batch, not exit at it.
+        if self.action in ("skip", "rollback"):
             keys |= {"abort_on_nan_loss": False, "abort_on_inf_loss": False}
         return keys
 

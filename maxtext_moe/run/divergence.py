@@ -62,6 +62,13 @@ def classify(m: dict, spikes: bool) -> BadStep | None:
     return None
 
 
+def skipped_safely(m: dict) -> bool:
+    """A step whose update the spike wrapper zeroed (a spike, or a non-finite loss or gradient norm with
+    `upstream.skip_nonfinite`) and whose parameters are still finite: under `skip`, the action is done."""
+    norm = m.get("learning/param_norm")
+    return m.get(SKIPPED) == 1 and not (isinstance(norm, (int, float)) and not math.isfinite(norm))
+
+
 def _lines(metrics_file: Path, offset: int = 0) -> Iterator[dict]:
     if not metrics_file.is_file():
         return
@@ -77,9 +84,17 @@ def _lines(metrics_file: Path, offset: int = 0) -> Iterator[dict]:
         yield m
 
 
-def first_bad_step(metrics_file: Path, offset: int = 0, spikes: bool = False) -> BadStep | None:
-    """The first bad step (`classify`) among the lines written from byte `offset` on."""
-    return next((bad for m in _lines(metrics_file, offset) if (bad := classify(m, spikes))), None)
+def first_bad_step(metrics_file: Path, offset: int = 0, spikes: bool = False, skipping: bool = False) -> BadStep | None:
+    """The first bad step (`classify`) among the lines written from byte `offset` on; with `skipping`
+    (`guard.action: skip`), steps the wrapper skipped safely are not bad."""
+    return next(
+        (
+            bad
+            for m in _lines(metrics_file, offset)
+            if (bad := classify(m, spikes)) and not (skipping and skipped_safely(m))
+        ),
+        None,
+    )
 
 
 def spike_threshold(metrics_file: Path, step: int, settings: GuardSettings) -> tuple[str, float, float] | None:
@@ -137,8 +152,15 @@ class Watcher:
         if m.get(SKIPPED) == 1:
             self.counts.add("skipped_steps", step)
         self.counts.add("spikes" if bad.kind == "spike" else "non_finite", step)
-        # A non-finite loss under stop or skip ends in MaxText's own abort; a rollback needs a checkpoint past it.
-        ends = self.settings.action == "rollback" or (bad.kind == "spike" and self.spikes_stop)
+        if self.settings.action == "skip" and skipped_safely(m):
+            return
+        # A non-finite loss under stop ends in MaxText's own abort (it is off under skip and rollback); a
+        # rollback needs a checkpoint past it.
+        ends = (
+            self.settings.action == "rollback"
+            or (bad.kind == "spike" and self.spikes_stop)
+            or (bad.kind == "non-finite" and self.settings.action == "skip")
+        )
         if ends and not self.stopping:
             self.stopping = True
             os.kill(os.getpid(), signal.SIGTERM)
@@ -164,7 +186,7 @@ def conclude(
     watcher: Watcher, metrics_file: Path, offset: int, checkpoint_dir: Path, total_steps: int, learning_rate: object
 ) -> None:
     """After MaxText ended: if this run wrote a bad step, set its checkpoints aside and act on it."""
-    bad = first_bad_step(metrics_file, offset, spikes=watcher.spikes_stop)
+    bad = first_bad_step(metrics_file, offset, spikes=watcher.spikes_stop, skipping=watcher.settings.action == "skip")
     if bad is None:
         return
     what = _what(bad, metrics_file, watcher.settings)

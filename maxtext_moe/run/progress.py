@@ -10,6 +10,7 @@ terminal stays readable while MaxText's full log goes to a file.
 from __future__ import annotations
 
 import json
+import math
 import sys
 import threading
 import time
@@ -141,6 +142,9 @@ class Progress:
             if len(self._times) > 1
             else "first step, includes compilation"
         )
-        skipped = " | update skipped (spike)" if m.get("optim/step_skipped") == 1 else ""  # MaxText's spike wrapper
+        skipped = ""
+        if m.get("optim/step_skipped") == 1:  # MaxText's spike wrapper zeroed the update
+            finite = all(math.isfinite(m.get(k, 0.0)) for k in ("learning/loss", "learning/grad_norm"))
+            skipped = f" | update skipped ({'spike' if finite else 'non-finite'})"
         loss = f"loss {m['learning/loss']:.4f}{balance_note(m)}"
         self.out(f"step {step + 1:>5}/{self.total} | {loss} | {rate}{eta}{skipped}")

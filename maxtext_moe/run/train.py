@@ -194,6 +194,10 @@ def _run(
         elif count_upstream_routing:
             balance_metrics.install_counted_layer()
         balance_metrics.install()
+        if resolved.guard_settings.loss_spike is not None:
+            from maxtext_moe.upstream import skip_nonfinite
+
+            skip_nonfinite.install()
         if resolved.attention["residuals"] == "save":
             remat.install()
         out(

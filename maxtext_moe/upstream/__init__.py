@@ -9,6 +9,8 @@ Each module names the gap it fills. `SYMBOLS` lists what they touch, so that one
   `train.record_activation_metrics`, and for MaxText's own block rebinds `DeepSeekMoELayer` to a subclass
   that re-runs its gate and `RoutedMoE.get_topk`.
 - `maxtext_block`: MaxText's own `RoutedAndSharedMoE` on our parameters (the yardstick in tests, benchmarks).
+- `skip_nonfinite`: wraps the transform `optimizers.skip_step_on_spikes` builds, so that a non-finite step is
+  skipped without entering its window.
 - `remat`: wraps `NNXDecoder.get_remat_policy` to keep flash attention's forward outputs.
 - `maxtext_config`: `pyconfig._initialize_pydantic`, MaxText's config model without its `sys.exit`.
 - `maxtext_errors`: unwraps the error `max_utils.transformer_engine_context` turns into a re-yield.
@@ -34,6 +36,7 @@ SYMBOLS: tuple[tuple[str, str, str], ...] = (
     ("maxtext", "maxtext.layers.moe", "uses_megatron_seq_aux_loss"),
     ("maxtext", "maxtext.layers.moe", "load_balance_updates_from_counts"),
     ("maxtext", "maxtext.layers.nnx_decoders", "NNXDecoder.get_remat_policy"),
+    ("maxtext", "maxtext.optimizers.optimizers", "skip_step_on_spikes"),
     ("maxtext", "maxtext.configs.pyconfig", "_initialize_pydantic"),
     ("maxtext", "maxtext.utils.max_utils", "transformer_engine_context"),
     ("maxtext", "maxtext.trainers.pre_train.train", "main"),

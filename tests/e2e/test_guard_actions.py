@@ -9,6 +9,7 @@ the Orbax folders and the TensorBoard event files.
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import pytest
@@ -44,9 +45,10 @@ def _guard_scalars(run) -> dict[str, list[tuple[int, float]]]:
     return found
 
 
-def _skipped_on_progress(stdout: str) -> list[int]:
-    """MaxText's 0-based steps whose progress line says the update was skipped."""
-    return [int(line.split()[1].split("/")[0]) - 1 for line in stdout.splitlines() if line.endswith("skipped (spike)")]
+def _skipped_on_progress(stdout: str, why: str = "spike") -> list[int]:
+    """MaxText's 0-based steps whose progress line says the update was skipped, for `why`."""
+    ending = f"skipped ({why})"
+    return [int(line.split()[1].split("/")[0]) - 1 for line in stdout.splitlines() if line.endswith(ending)]
 
 
 def test_a_loss_spike_stops_with_one_line_naming_the_step_the_loss_and_the_threshold(tmp_path):
@@ -77,6 +79,20 @@ def test_skip_goes_on_past_each_spike_and_counts_it(tmp_path):
     assert skipped and _skipped_on_progress(r.stdout) == skipped
     assert _guard_scalars(run)["guard/skipped_steps"] == [(s, float(n)) for n, s in enumerate(skipped, 1)]
     assert run_dir.scan(run / "checkpoints").latest == 7 and not list(run.glob("checkpoints.*"))
+
+
+def test_skip_goes_on_past_non_finite_steps_with_finite_parameters(tmp_path):
+    nan = ["steps=8", "checkpoint_period=2", "learning_rate=1.0e+6", "guard.loss_spike=3", "guard.window=8"]
+    r = run_cli("train", *nan, *FAST, "corpus.max_mib=1", "guard.action=skip", f"base_output_directory={tmp_path}")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    run = tmp_path / RUN
+    metrics = read_metrics(run)
+    non_finite = sorted(s for s, m in metrics.items() if not math.isfinite(m["learning/loss"]))
+    assert non_finite and all(metrics[s]["optim/step_skipped"] == 1 for s in non_finite)
+    assert all(math.isfinite(m["learning/param_norm"]) for m in metrics.values())  # no NaN reached the weights
+    assert run_dir.scan(run / "checkpoints").latest == 7 and not list(run.glob("checkpoints.*"))
+    assert [s for s in _skipped_on_progress(r.stdout, "non-finite")] == non_finite
+    assert [s for s, _ in _guard_scalars(run)["guard/non_finite"]] == non_finite
 
 
 def test_rollback_resumes_from_the_last_good_checkpoint_with_the_data_past_the_bad_batch(tmp_path):

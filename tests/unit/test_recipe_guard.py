@@ -40,6 +40,12 @@ def test_a_spike_factor_turns_on_maxtexts_spike_wrapper_and_changes_the_checkpoi
     assert compose_resolve("guard.window=16").checkpoint_identity() == compose_resolve().checkpoint_identity()
 
 
+def test_skip_keeps_maxtext_from_exiting_on_a_nan_loss():
+    r = compose_resolve("guard.action=skip", "guard.loss_spike=6")
+    assert r.maxtext["abort_on_nan_loss"] is False and r.maxtext["abort_on_inf_loss"] is False
+    assert "abort_on_nan_loss" not in compose_resolve("guard.loss_spike=6").maxtext  # stop: MaxText's abort stays
+
+
 def test_rollback_keeps_maxtext_from_exiting_on_a_nan_loss():
     r = compose_resolve("guard.action=rollback")
     assert r.maxtext["abort_on_nan_loss"] is False and r.maxtext["abort_on_inf_loss"] is False
