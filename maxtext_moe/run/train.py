@@ -27,7 +27,7 @@ from maxtext_moe.recipe.resolved import ResolvedRecipe
 from maxtext_moe.run import checkpoint_failures, distributed, divergence, interrupt, lock, preflight, rollback, run_dir
 from maxtext_moe.run.guard_counts import GuardCounts
 from maxtext_moe.run.progress import Progress, prints_to_log
-from maxtext_moe.upstream import maxtext_config, remat
+from maxtext_moe.upstream import maxtext_config, remat, stop_metrics
 
 
 class Stopped(Exception):
@@ -200,6 +200,7 @@ def _run(
             skip_nonfinite.install()
         if resolved.attention["residuals"] == "save":
             remat.install()
+        stop_metrics.install()
         out(
             f"{resolved.name}: {config.num_decoder_layers} decoder layers, {resolved.topology.num_devices} device(s) "
             f"of {resolved.topology.hardware}, "
@@ -240,8 +241,8 @@ def _run(
                 counts.close()
     last = progress.last
     if last is not None and int(last["step"]) + 1 < steps:
-        # The stop saves the step in flight, whose metrics MaxText never writes: the checkpoint on disk
-        # is the step the run reached, and the one a re-run resumes after.
+        # The stop saves the step in flight and writes its metrics (`stop_metrics`); the checkpoint on disk is
+        # the step the run reached and the one a re-run resumes after, should the metrics lag behind it.
         saved = run_dir.scan(ckpt_dir).latest if proc.is_leader else None
         reached = max(int(last["step"]), -1 if saved is None else saved) + 1
         why = "Ctrl-C" if interrupts.count else "a termination signal"

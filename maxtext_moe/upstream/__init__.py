@@ -11,6 +11,8 @@ Each module names the gap it fills. `SYMBOLS` lists what they touch, so that one
 - `maxtext_block`: MaxText's own `RoutedAndSharedMoE` on our parameters (the yardstick in tests, benchmarks).
 - `skip_nonfinite`: wraps the transform `optimizers.skip_step_on_spikes` builds, so that a non-finite step is
   skipped without entering its window.
+- `stop_metrics`: holds the `StopTraining` that `checkpointing.maybe_save_checkpoint` raises on a SIGTERM until
+  `MetricLogger.buffer_and_write_metrics` has the stopped step's metrics.
 - `remat`: wraps `NNXDecoder.get_remat_policy` to keep flash attention's forward outputs.
 - `maxtext_config`: `pyconfig._initialize_pydantic`, MaxText's config model without its `sys.exit`.
 - `maxtext_errors`: unwraps the error `max_utils.transformer_engine_context` turns into a re-yield.
@@ -37,6 +39,9 @@ SYMBOLS: tuple[tuple[str, str, str], ...] = (
     ("maxtext", "maxtext.layers.moe", "load_balance_updates_from_counts"),
     ("maxtext", "maxtext.layers.nnx_decoders", "NNXDecoder.get_remat_policy"),
     ("maxtext", "maxtext.optimizers.optimizers", "skip_step_on_spikes"),
+    ("maxtext", "maxtext.common.checkpointing", "maybe_save_checkpoint"),
+    ("maxtext", "maxtext.common.metric_logger", "MetricLogger.buffer_and_write_metrics"),
+    ("maxtext", "maxtext.utils.exceptions", "StopTraining"),
     ("maxtext", "maxtext.configs.pyconfig", "_initialize_pydantic"),
     ("maxtext", "maxtext.utils.max_utils", "transformer_engine_context"),
     ("maxtext", "maxtext.trainers.pre_train.train", "main"),

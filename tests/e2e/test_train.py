@@ -254,7 +254,9 @@ def test_sigterm_checkpoints_the_current_step_and_a_rerun_resumes(tmp_path):
     assert "on a termination signal; its checkpoint is saved" in err
     saved = run_dir.scan(tmp_path / RUN / "checkpoints").complete
     assert saved[0] == 0 and len(saved) == 2 and saved[1] >= 6, saved  # step 0 and the step SIGTERM reached
-    assert f"stopped after step {saved[1] + 1} of 400" in err  # the saved step, not the last one with metrics
+    assert f"stopped after step {saved[1] + 1} of 400" in err
+    assert max(read_metrics(tmp_path / RUN)) == saved[1]  # the stopped step's loss is in the metrics too
+    assert f"step {saved[1] + 1:>5}/400 | loss" in out
     more = [f"steps={saved[1] + 3}", "learning_rate_schedule_steps=400"]  # the same schedule, fewer steps
     r = run_cli("train", *more, f"base_output_directory={tmp_path}", *SMALL)
     assert r.returncode == 0, r.stderr[-3000:]
