@@ -1,0 +1,13 @@
+"""`maxtext-moe convert`: Hugging Face DeepSeek-V3 checkpoints <-> the Orbax layout MaxText trains from.
+
+MaxText's `checkpoint_conversion` owns the parameter-name mapping and the transposes (its DeepSeek mapping
+and hooks, used here as they are). What it leaves out, and these modules fill:
+
+- `safetensors_io`: tensors read one at a time from disk (not from a loaded model), FP8 and BF16 included.
+- `fp8`: DeepSeek's FP8 e4m3 weights with 128x128 `weight_scale_inv` blocks, dequantized per tensor.
+- `layout`: the MTP layer and the router's `e_score_correction_bias` (MaxText's mapping has neither where
+  our recipes keep them), and the order in which each MaxText array's slices arrive.
+- `config_check`: the checkpoint's `config.json` against the recipe, before anything is written.
+- `to_orbax`, `to_hf`: the two directions, streaming one tensor at a time, with progress and a temp name that is
+  renamed only when complete.
+"""
