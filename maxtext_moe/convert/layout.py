@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 MOE_BIAS = "MoEBiasVar-"
+# Where MaxText's NNX training state saves non-parameter collections such as `MoEBiasVar`.
+NNX_AUX = "nnx_aux.model."
 
 
 @dataclass(frozen=True)
@@ -43,13 +45,15 @@ class Target:
         return tuple(1 if i in self.axes else n for i, n in enumerate(self.shape))
 
 
-def _mtp(hf_config: dict, mt_config: Any, layers: int) -> tuple[dict[str, Any], dict[str, Any]]:
+def _mtp(hf_config: dict, mt_config: Any, layers: int, to_hf: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     """Mapping and hooks of the MTP layers: an unscanned MoE layer's, moved to `mtp_block`, plus the MTP
     norms and projection."""
     from maxtext.checkpoint_conversion.utils import param_mapping
 
     mapping = param_mapping.DEEPSEEK_MAXTEXT_TO_HF_PARAM_MAPPING(hf_config, mt_config, scan_layers=False)
-    hooks = param_mapping.DEEPSEEK_MAXTEXT_TO_HF_PARAM_HOOK_FN(hf_config, mt_config, scan_layers=False)
+    hooks = param_mapping.DEEPSEEK_MAXTEXT_TO_HF_PARAM_HOOK_FN(
+        hf_config, mt_config, scan_layers=False, saving_to_hf=to_hf
+    )
     first_moe = f"model.layers.{hf_config['first_k_dense_replace']}."
     out_map: dict[str, Any] = {}
     out_hooks: dict[str, Any] = {}
@@ -103,14 +107,19 @@ def _slices(sources: Any, axes: tuple[int, ...], shape: tuple[int, ...]) -> tupl
     return tuple(walk(sources, ()))
 
 
-def targets(hf_config: dict, mt_config: Any, params: dict[str, tuple[tuple[int, ...], Any]]) -> list[Target]:
-    """Every MaxText array of `params` with the Hugging Face tensors it is made of, in MaxText's order."""
+def targets(
+    hf_config: dict, mt_config: Any, params: dict[str, tuple[tuple[int, ...], Any]], to_hf: bool = False
+) -> list[Target]:
+    """Every MaxText array of `params` with the Hugging Face tensors it is made of, in MaxText's order; the
+    hooks turn a Hugging Face tensor into a MaxText block, or with `to_hf` a block into a Hugging Face tensor."""
     from maxtext.checkpoint_conversion.utils import param_mapping
 
     scan = bool(mt_config.scan_layers)
     mapping = param_mapping.DEEPSEEK_MAXTEXT_TO_HF_PARAM_MAPPING(hf_config, mt_config, scan_layers=scan)
-    hooks = param_mapping.DEEPSEEK_MAXTEXT_TO_HF_PARAM_HOOK_FN(hf_config, mt_config, scan_layers=scan)
-    mtp_map, mtp_hooks = _mtp(hf_config, mt_config, int(mt_config.mtp_num_layers))
+    hooks = param_mapping.DEEPSEEK_MAXTEXT_TO_HF_PARAM_HOOK_FN(
+        hf_config, mt_config, scan_layers=scan, saving_to_hf=to_hf
+    )
+    mtp_map, mtp_hooks = _mtp(hf_config, mt_config, int(mt_config.mtp_num_layers), to_hf)
     mapping, hooks = mapping | mtp_map, hooks | mtp_hooks
     for key in [k for k in mapping if k.endswith("-gate-bias")]:
         moved = MOE_BIAS + key.removeprefix("params-")
@@ -124,3 +133,37 @@ def targets(hf_config: dict, mt_config: Any, params: dict[str, tuple[tuple[int, 
         axes = () if isinstance(mapping[key], str) else _stack_axes(key, mapping[key], shape, mt_config)
         out.append(Target(key, shape, dtype, axes, _slices(mapping[key], axes, shape), hooks.get(key)))
     return out
+
+
+def hf_shapes(hf_config: dict, mtp_layers: int) -> dict[str, tuple[int, ...]]:
+    """Each Hugging Face tensor's shape: MaxText's `DEEPSEEK_HF_WEIGHTS_TO_SHAPE`, plus the MTP layers (a MoE
+    layer's tensors, the MTP norms and projection)."""
+    from maxtext.checkpoint_conversion.utils.hf_shape import DEEPSEEK_HF_WEIGHTS_TO_SHAPE
+
+    shapes = {k: tuple(v) for k, v in DEEPSEEK_HF_WEIGHTS_TO_SHAPE(hf_config).items()}
+    h, first_moe = hf_config["hidden_size"], f"model.layers.{hf_config['first_k_dense_replace']}."
+    for k in range(mtp_layers):
+        mtp = f"model.layers.{hf_config['num_hidden_layers'] + k}."
+        shapes |= {mtp + key.removeprefix(first_moe): v for key, v in shapes.items() if key.startswith(first_moe)}
+        shapes |= {f"{mtp}{n}.weight": (h,) for n in ("enorm", "hnorm", "shared_head.norm")}
+        shapes[f"{mtp}eh_proj.weight"] = (h, 2 * h)
+    return shapes
+
+
+def mtp_copies(hf_config: dict, mtp_layers: int) -> dict[str, list[str]]:
+    """Tensors DeepSeek's checkpoints repeat in each MTP layer (its embedding and output head), which MaxText
+    shares with the main model: Hugging Face key -> the MTP keys that repeat it."""
+    layers = [f"model.layers.{hf_config['num_hidden_layers'] + k}." for k in range(mtp_layers)]
+    return {
+        "model.embed_tokens.weight": [f"{m}embed_tokens.weight" for m in layers],
+        "lm_head.weight": [f"{m}shared_head.head.weight" for m in layers],
+    }
+
+
+def orbax_names(key: str) -> list[str]:
+    """The Orbax names array `key` has: `params.` + its path in a converted folder; a training run's checkpoint
+    keeps the `MoEBiasVar` collection under `nnx_aux.model.` instead."""
+    names = ["params." + key.replace("-", ".")]
+    if key.startswith(MOE_BIAS):
+        names.append(NNX_AUX + key.removeprefix(MOE_BIAS).replace("-", "."))
+    return names

@@ -67,17 +67,29 @@ def read_tensor(path: Path, key: str, header: dict[str, dict], start: int) -> np
     return data.reshape(info["shape"])
 
 
-def write_shard(path: Path, tensors: dict[str, np.ndarray]) -> None:
-    """A safetensors file of `tensors`, in order (what `transformers` and `safetensors.safe_open` read)."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for key, t in tensors.items():
-        header[key] = {"dtype": NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
-        offset += t.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with path.open("wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for t in tensors.values():
-            np.ascontiguousarray(t).tofile(f)
+class ShardWriter:
+    """A safetensors file whose tensors (names, shapes, dtypes) are known up front and arrive one at a time, in
+    order: the header is written first, then each tensor's bytes as it comes (what `transformers` and
+    `safetensors.safe_open` read), so only the tensor being written is in memory."""
+
+    def __init__(self, path: Path, layout: list[tuple[str, tuple[int, ...], np.dtype]]):
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for key, shape, dtype in layout:
+            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            header[key] = {"dtype": NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.pending = [(key, tuple(shape), dtype) for key, shape, dtype in layout]
+        self.file = path.open("wb")
+        self.file.write(struct.pack("<Q", len(raw)))
+        self.file.write(raw)
+
+    def write(self, key: str, tensor: np.ndarray) -> None:
+        want = self.pending.pop(0)
+        if (key, tensor.shape, tensor.dtype) != want:
+            raise ValueError(f"{self.file.name}: got {key} {tensor.shape} {tensor.dtype}, the header says {want}")
+        np.ascontiguousarray(tensor).tofile(self.file)
+        if not self.pending:
+            self.file.close()

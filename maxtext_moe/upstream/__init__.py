@@ -14,7 +14,9 @@ Each module names the gap it fills. `SYMBOLS` lists what they touch, so that one
   `create_device_mesh`, to compile the training step for devices that are not here (JAX's mock GPU topology).
 - `maxtext_params`: `models.transformer_as_linen` and `maxtext_utils.get_abstract_param`, the parameter tree
   (names, shapes, dtypes) the conversion writes, keyed as MaxText's converters key it.
-- `orbax_stream`: `NumpyHandler._open_and_write`, overridden to write an array slice by slice.
+- `orbax_stream`: `NumpyHandler._open_and_write`, overridden to write an array slice by slice, and Orbax's
+  read spec and tensorstore context (`get_json_tspec_read`, `ParamInfo`, `get_ts_context`) to read one back
+  slice by slice.
 - `jax_coordination`: `jax._src.distributed.global_state.client`, the key-value store of a multi-process run.
 """
 
@@ -53,6 +55,10 @@ SYMBOLS: tuple[tuple[str, str, str], ...] = (
     ("maxtext", "maxtext.checkpoint_conversion.utils.tensor_handling", "nesting_depth"),
     ("maxtext", "maxtext.checkpoint_conversion.utils.hf_model_configs", "deepseek3_671b_dict"),
     ("orbax-checkpoint", "orbax.checkpoint.type_handlers", "NumpyHandler._open_and_write"),
+    ("orbax-checkpoint", "orbax.checkpoint.type_handlers", "get_json_tspec_read"),
+    ("orbax-checkpoint", "orbax.checkpoint.type_handlers", "get_ts_context"),
+    ("orbax-checkpoint", "orbax.checkpoint.type_handlers", "is_ocdbt_checkpoint"),
+    ("orbax-checkpoint", "orbax.checkpoint.type_handlers", "ParamInfo"),
     ("jax", "jax._src.distributed", "global_state.client"),
     ("jax", "jax._src.xla_bridge", "MOCK_GPU_TOPOLOGY"),
     ("transformer-engine-jax", "transformer_engine.jax.cpp_extensions.gemm", "_v2_grouped_gemm_available"),

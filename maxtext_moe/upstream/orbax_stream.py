@@ -8,6 +8,14 @@ handler's `_open_and_write` (orbax-checkpoint==0.12.4): it opens the tensorstore
 chunk per slice (so no chunk is read back and rewritten), and writes the slices as `SlicedArray.slices()`
 yields them. One array is written at a time (Orbax would start every array's write at once). The checkpoint
 is Orbax's own, with Orbax's metadata, read back by `ocp` and MaxText like any other.
+
+Orbax's tensorstore context gives the OCDBT kvstore a 100 MB cache pool (B-tree nodes kept for re-reads when
+restoring); a write-once conversion has no use for it, and filled, it held host memory that grew with the bytes
+written. The arrays are opened in a child of Orbax's context whose pool (the one the kvstore spec names) holds
+nothing, so host memory stays at one slice in flight.
+
+Reading back (`ArrayReader`): Orbax restores whole arrays only. The arrays of a checkpoint are opened with the
+tensorstore spec Orbax itself reads them with (`get_json_tspec_read`), so one slice at a time can be read.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -50,6 +59,14 @@ class SlicedArray:
         return self
 
 
+def _without_cache(tspec: dict[str, Any], ts_context: ts.Context) -> ts.Context:
+    """`ts_context` with the cache pool that `tspec`'s kvstore names (Orbax's OCDBT pool) limited to 0 bytes."""
+    pool = tspec.get("kvstore", {}).get("cache_pool")
+    if pool is None:
+        return ts_context
+    return ts.Context(ts.Context.Spec({pool: {"total_bytes_limit": 0}}), ts_context)
+
+
 def _with_chunks(tspec: dict[str, Any], chunk: tuple[int, ...]) -> dict[str, Any]:
     """Orbax's write spec with zarr chunks (v2 `chunks`, v3 grid and shard codec) of `chunk`."""
     meta = dict(tspec["metadata"])
@@ -77,7 +94,8 @@ class SlicedArrayHandler(type_handlers.NumpyHandler):
             return await super()._open_and_write(value, tspec, ts_context)
         self._one_at_a_time = self._one_at_a_time or asyncio.Lock()
         async with self._one_at_a_time:
-            t = await ts.open(ts.Spec(_with_chunks(tspec, value.chunk)), create=True, open=True, context=ts_context)
+            spec = ts.Spec(_with_chunks(tspec, value.chunk))
+            t = await ts.open(spec, create=True, open=True, context=_without_cache(tspec, ts_context))
             for index, block in value.slices():
                 await t[index].write(block)
         return None
@@ -86,3 +104,25 @@ class SlicedArrayHandler(type_handlers.NumpyHandler):
 def register() -> None:
     """Orbax writes every `SlicedArray` leaf with `SlicedArrayHandler` from now on in this process."""
     type_handlers.register_type_handler(SlicedArray, SlicedArrayHandler(), override=True)
+
+
+class ArrayReader:
+    """The arrays of the Orbax checkpoint folder `items` (zarr or zarr3, OCDBT or not), opened by their Orbax
+    name (`params.params.decoder...`) for reads of a slice at a time."""
+
+    def __init__(self, items: Path):
+        import orbax.checkpoint as ocp
+        from etils import epath
+
+        self.items = epath.Path(items)
+        self.use_zarr3 = bool(ocp.PyTreeCheckpointHandler().metadata(self.items).use_zarr3)
+        self.use_ocdbt = bool(type_handlers.is_ocdbt_checkpoint(self.items))
+        self.context = type_handlers.get_ts_context(use_ocdbt=self.use_ocdbt)
+
+    def open(self, name: str) -> ts.TensorStore:
+        """Array `name`; a missing array raises ValueError (tensorstore's NOT_FOUND)."""
+        info = type_handlers.ParamInfo(
+            name=name, parent_dir=self.items, use_zarr3=self.use_zarr3, is_ocdbt_checkpoint=self.use_ocdbt
+        )
+        tspec = type_handlers.get_json_tspec_read(info, use_ocdbt=self.use_ocdbt)
+        return ts.open(ts.Spec(tspec), open=True, read=True, context=_without_cache(tspec, self.context)).result()

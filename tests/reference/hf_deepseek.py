@@ -7,7 +7,8 @@ DeepseekV3 model writes a small checkpoint in DeepSeek-V3's published format and
         one MTP layer (`model.layers.{num_hidden_layers}`: enorm, hnorm, eh_proj, shared_head) per
         `num_nextn_predict_layers`; shards + index. L.npy: the logits of the model with the stored weights.
     load DIR --tokens 1,2,3 --logits L.npy
-        `DeepseekV3ForCausalLM.from_pretrained(DIR)` and its logits.
+        `DeepseekV3ForCausalLM.from_pretrained(DIR)` and its logits; fails if DIR lacks a weight the model has
+        (transformers would start it at random) or holds one in another shape.
 """
 
 from __future__ import annotations
@@ -143,7 +144,11 @@ def write(config_path: Path, out: Path, tokens: list[int], logits_path: Path, sh
 
 
 def load(folder: Path, tokens: list[int], logits_path: Path) -> None:
-    model = DeepseekV3ForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    model, info = DeepseekV3ForCausalLM.from_pretrained(str(folder), dtype=torch.float32, output_loading_info=True)
+    wrong = {k: v for k, v in info.items() if k in ("missing_keys", "mismatched_keys", "error_msgs") and v}
+    if wrong:
+        raise SystemExit(f"{folder}: {wrong}")
+    model.eval()
     np.save(logits_path, logits(model, tokens))
 
 

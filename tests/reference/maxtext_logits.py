@@ -1,5 +1,6 @@
 """Runs in the product's venv: the logits of MaxText's model (the recipe's config, our block where the recipe
-says `moe.impl: ours`) with the parameters of an Orbax folder written by `convert hf-to-orbax`.
+says `moe.impl: ours`) with the parameters of an Orbax folder written by `convert hf-to-orbax`, or of a training
+run's checkpoint step (whose NNX state keeps the `MoEBiasVar` collection under `nnx_aux`).
 
     python maxtext_logits.py CHECKPOINT RECIPE --tokens 1,2,3 --logits L.npy [key=value ...]
 """
@@ -37,7 +38,10 @@ def main() -> None:
     model = models.transformer_as_linen(
         config, mesh, quant=quantizations.configure_quantization(config), model_mode=MODEL_MODE_TRAIN
     )
-    params = ocp.PyTreeCheckpointer().restore(a.checkpoint.resolve() / "items")["params"]
+    restored = ocp.PyTreeCheckpointer().restore(a.checkpoint.resolve() / "items")
+    params = restored["params"]
+    if "nnx_aux" in restored:
+        params = params | {"MoEBiasVar": restored["nnx_aux"]["model"]}
     tokens = jnp.asarray([[int(t) for t in a.tokens.split(",")]], dtype=jnp.int32)
     positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
     with mesh:
