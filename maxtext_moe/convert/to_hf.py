@@ -68,11 +68,12 @@ def _check_identity(record: Path | None, resolved: ResolvedRecipe) -> None:
     wrote = json.loads(record.read_text())
     want = resolved.checkpoint_identity()
     if wrote.get("model_digest") not in (None, want["model_digest"]):
-        differ = sorted(k for k, v in want["model"].items() if wrote.get("model", {}).get(k) != v)
+        have = wrote.get("model", {})
+        differ = [f"{k} {have.get(k)} there, {v} here" for k, v in sorted(want["model"].items()) if have.get(k) != v]
         raise UserError(
-            f"{record}: this checkpoint is of recipe {wrote.get('recipe')!r}'s model, which differs from "
-            f"{resolved.name!r}'s in {', '.join(differ[:6]) or 'its model'}.",
-            fix=f"pass --recipe {wrote.get('recipe')} (with the overrides it was trained with).",
+            f"{record}: the checkpoint holds recipe {wrote.get('recipe')!r}'s model, not the one --recipe and the "
+            f"overrides give ({'; '.join(differ[:4]) or 'another model'}).",
+            fix=f"pass --recipe {wrote.get('recipe')} with the overrides it was trained or converted with.",
         )
 
 

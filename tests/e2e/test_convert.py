@@ -140,10 +140,14 @@ def test_train_starts_from_converted_weights(converted, trained):
 
 def test_round_trip_gives_the_same_tensors(hf, converted, tmp_path):
     """hf -> orbax -> hf: every tensor back under its name; BF16 ones bit for bit, FP8 ones as their dequantized
-    values rounded to BF16, the router's bias in float32 as it was."""
+    values rounded to BF16, the router's bias in float32 as it was. Run over what a killed run leaves: a partial
+    folder with a shard and no index."""
     back = tmp_path / "hf"
+    (tmp_path / "hf.partial").mkdir()
+    (tmp_path / "hf.partial" / "model-00001-of-00002.safetensors").write_bytes(b"\0" * 64)
     r = run_cli("convert", "orbax-to-hf", str(converted[0]), str(back), "--recipe", RECIPE, "--max-shard-gib", "0.005")
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "left by an interrupted conversion" in r.stdout
     assert not (tmp_path / "hf.partial").exists()
     original, result = HfCheckpoint(hf[0]), HfCheckpoint(back)
     assert len(result.shards()) > 1
