@@ -20,7 +20,7 @@ import resource
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import ml_dtypes
 import numpy as np
@@ -33,6 +33,11 @@ from maxtext_moe.convert.to_orbax import MARKER
 from maxtext_moe.errors import UserError
 from maxtext_moe.recipe.resolved import ResolvedRecipe
 from maxtext_moe.run import run_dir
+
+if TYPE_CHECKING:
+    import tensorstore as ts
+
+    from maxtext_moe.upstream.orbax_stream import ArrayReader
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)  # the router's e_score_correction_bias, as DeepSeek ships it
@@ -77,13 +82,16 @@ def _check_identity(record: Path | None, resolved: ResolvedRecipe) -> None:
         )
 
 
+def _dtype(hf_key: str) -> np.dtype:
+    return F32 if hf_key.endswith("e_score_correction_bias") else BF16
+
+
 def _plan(targets: list[layout.Target], shapes: dict, copies: dict) -> list[tuple[str, tuple[int, ...], np.dtype]]:
     """Every Hugging Face tensor in the order it will be written: name, shape, dtype."""
     out = []
     for t in targets:
         for s in t.slices:
-            dtype = F32 if s.hf_key.endswith("e_score_correction_bias") else BF16
-            out += [(key, shapes[s.hf_key], dtype) for key in [s.hf_key, *copies.get(s.hf_key, [])]]
+            out += [(key, shapes[s.hf_key], _dtype(s.hf_key)) for key in [s.hf_key, *copies.get(s.hf_key, [])]]
     return out
 
 
@@ -101,7 +109,7 @@ def _shards(plan: list, max_bytes: int) -> list[list]:
     return shards
 
 
-def _open(reader: Any, target: layout.Target, items: Path) -> Any:
+def _open(reader: ArrayReader, target: layout.Target, items: Path) -> ts.TensorStore:
     """The stored array of `target`, checked against the recipe's shape."""
     names = layout.orbax_names(target.key)
     fix = "pass the recipe (and overrides) this checkpoint was trained or converted with."
@@ -159,19 +167,16 @@ def convert(
         f"host memory before writing {baseline / 2**20:,.0f} MiB"
     )
     progress = Progress(total, len(plan), log)
-    writers = iter(ShardWriter(partial / n, s) for n, s in zip(names, shards, strict=True))
-    writer, left = next(writers), len(shards[0])
+    writers = (ShardWriter(partial / n, s) for n, s in zip(names, shards, strict=True))  # each opened when due
+    writer = next(writers)
     for t in targets:
         for s in t.slices:
             block = np.asarray(arrays[t.key][s.index].read().result())
-            tensor = np.asarray(apply_hook_fns(block, shapes[s.hf_key], t.hook))
-            tensor = tensor.astype(F32 if s.hf_key.endswith("e_score_correction_bias") else BF16)
+            tensor = np.asarray(apply_hook_fns(block, shapes[s.hf_key], t.hook)).astype(_dtype(s.hf_key))
             for key in [s.hf_key, *copies.get(s.hf_key, [])]:
-                if left == 0:
+                if not writer.pending:
                     writer = next(writers)
-                    left = len(writer.pending)
                 writer.write(key, tensor)
-                left -= 1
                 progress.add(tensor.nbytes)
     weight_map = {key: name for name, shard in zip(names, shards, strict=True) for key, _, _ in shard}
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}

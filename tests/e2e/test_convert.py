@@ -115,12 +115,16 @@ def test_converted_model_gives_transformers_logits(hf, converted, tmp_path):
     _assert_close(_maxtext_logits(out, [], tmp_path), hf[1], ATOL)
 
 
-def test_unscanned_conversion_for_our_block_gives_transformers_logits(hf, tmp_path):
+def test_unscanned_conversion_for_our_block_gives_transformers_logits_and_round_trips(hf, tmp_path):
     overrides = ["scan_layers=false", "moe.impl=ours"]
     out = tmp_path / "orbax"
     r = run_cli("convert", "hf-to-orbax", str(hf[0]), str(out), "--recipe", RECIPE, *overrides, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     _assert_close(_maxtext_logits(out, overrides, tmp_path), hf[1], ATOL)
+    back = tmp_path / "hf"
+    r = run_cli("convert", "orbax-to-hf", str(out), str(back), "--recipe", RECIPE, *overrides, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    _assert_same_tensors(hf[0], back)
 
 
 def test_interrupted_conversion_restarts_and_never_leaves_out(converted):
@@ -149,8 +153,12 @@ def test_round_trip_gives_the_same_tensors(hf, converted, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "left by an interrupted conversion" in r.stdout
     assert not (tmp_path / "hf.partial").exists()
-    original, result = HfCheckpoint(hf[0]), HfCheckpoint(back)
-    assert len(result.shards()) > 1
+    assert len(HfCheckpoint(back).shards()) > 1
+    _assert_same_tensors(hf[0], back)
+
+
+def _assert_same_tensors(src, back) -> None:
+    original, result = HfCheckpoint(src), HfCheckpoint(back)
     assert set(result.weight_map) == {k for k in original.weight_map if not k.endswith(SCALE)}
     for key in result.weight_map:
         want = original.get(key)
@@ -197,7 +205,7 @@ def big(hf, tmp_path_factory):
     quantized = {k.split(".")[-2] for k in HfCheckpoint(hf[0]).weight_map if k.endswith(SCALE)}  # as transformers'
     rng = np.random.default_rng(0)
     entries = []
-    for key, shape in layout.hf_shapes(config, 1).items():
+    for key, shape in layout.hf_shapes(config, config["num_nextn_predict_layers"]).items():
         if key.split(".")[-2] in quantized:
             scale = (-(-shape[0] // 128), -(-shape[1] // 128))
             fp8 = rng.integers(0, 0x70, shape, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
