@@ -322,9 +322,9 @@ def parser() -> argparse.ArgumentParser:
         help="a Hugging Face checkpoint (FP8 or BF16) -> the Orbax folder `train ... load_parameters_path=OUT` loads",
         description="Stream SRC (config.json, safetensors shards, index) into OUT, in the layout RECIPE's model "
         "trains from; FP8 weights are dequantized, the MTP layer and the router's bias kept. One tensor is read "
-        "and written at a time: peak host memory is the process's baseline plus about 3x the largest tensor "
-        "(float32) and a few tens of MiB, whatever the model's size (docs/CONVERT.md). Written under OUT.partial "
-        "and renamed when complete; re-run to restart.",
+        "and written at a time: peak host memory is the process's baseline plus 3x the largest tensor in float32 "
+        "plus 48 MiB, whatever the model's size (measured; docs/CONVERT.md). Written under OUT.partial and renamed "
+        "when complete; re-run to restart.",
     )
     ho.add_argument("src", metavar="SRC", help="the Hugging Face checkpoint folder")
     ho.add_argument("out", metavar="OUT", help="the Orbax folder to write (must not exist)")
@@ -337,8 +337,9 @@ def parser() -> argparse.ArgumentParser:
         description="Stream the parameters of RUN_DIR's latest (or --step N) checkpoint, or of a folder hf-to-orbax "
         "wrote, into OUT as Hugging Face DeepSeek-V3 safetensors in BF16 (the router's bias in float32), with an "
         "index and a config.json that transformers loads. The optimizer state is never read. One tensor is read "
-        "and written at a time: peak host memory is the process's baseline plus a few copies of the largest "
-        "tensor and the stored chunk that holds it. Written under OUT.partial and renamed when complete.",
+        "and written at a time: peak host memory is the process's baseline plus 3x the largest tensor in float32 "
+        "plus 48 MiB, and the stored chunk that holds it (measured; docs/CONVERT.md). Written under OUT.partial "
+        "and renamed when complete; re-run to restart.",
     )
     oh.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (runs/RECIPE) or a folder hf-to-orbax wrote")
     oh.add_argument("out", metavar="OUT", help="the Hugging Face folder to write (must not exist)")

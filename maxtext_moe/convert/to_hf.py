@@ -7,7 +7,8 @@ to BF16 and written straight into its place in a safetensors shard whose header 
 parameters are read; the optimizer state beside them is never opened.
 
 Host memory: the process's baseline plus the slot being converted (the stored block, its Hugging Face layout,
-its BF16 copy), and the tensorstore chunk that holds the slot: whatever the model's size.
+its BF16 copy) and the tensorstore chunk that holds it, within the bound `to_orbax` states, whatever the model's
+size (measured in tests/e2e/test_convert.py; docs/CONVERT.md).
 
 Crash safety: shards, index and config.json are written under `OUT.partial/` and renamed to `OUT` when all are
 complete; a re-run removes a stale `OUT.partial/` and starts again.

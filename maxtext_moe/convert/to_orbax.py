@@ -6,8 +6,8 @@ dequantized to a BF16 copy first. Here each Hugging Face tensor is read, dequant
 hook and written into its slot of the Orbax array (`upstream.orbax_stream`) before the next is read.
 
 Host memory: the process's baseline (JAX, MaxText, the abstract model) plus about 3x the largest single Hugging
-Face tensor in float32 (the raw tensor, its float32 copy, the block in the target dtype) and a few tens of MiB,
-whatever the layout and the model's size (measured in tests/e2e/test_convert.py; docs/CONVERT.md).
+Face tensor in float32 (the raw tensor, its float32 copy, the block in the target dtype) plus 48 MiB, whatever
+the layout and the model's size (measured in tests/e2e/test_convert.py; docs/CONVERT.md).
 
 Crash safety: everything is written under `OUT.partial/`, renamed to `OUT` only when Orbax has finished; a
 re-run removes a stale `OUT.partial/` and starts again. `OUT` is an Orbax step folder (`load_parameters_path`).
