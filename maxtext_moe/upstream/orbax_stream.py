@@ -59,12 +59,25 @@ class SlicedArray:
         return self
 
 
-def _without_cache(tspec: dict[str, Any], ts_context: ts.Context) -> ts.Context:
-    """`ts_context` with the cache pool that `tspec`'s kvstore names (Orbax's OCDBT pool) limited to 0 bytes."""
-    pool = tspec.get("kvstore", {}).get("cache_pool")
-    if pool is None:
-        return ts_context
-    return ts.Context(ts.Context.Spec({pool: {"total_bytes_limit": 0}}), ts_context)
+class _WithoutCache:
+    """Children of Orbax's tensorstore contexts in which the cache pool that a spec's kvstore names (Orbax's OCDBT
+    pool) is limited to 0 bytes; one child per context, so that every array of a checkpoint shares one kvstore."""
+
+    def __init__(self) -> None:
+        self._made: dict[tuple[int, str], tuple[ts.Context, ts.Context]] = {}
+
+    def __call__(self, tspec: dict[str, Any], parent: ts.Context) -> ts.Context:
+        pool = tspec.get("kvstore", {}).get("cache_pool")
+        if pool is None:
+            return parent
+        made = self._made.get((id(parent), pool))
+        if made is None or made[0] is not parent:
+            made = (parent, ts.Context(ts.Context.Spec({pool: {"total_bytes_limit": 0}}), parent))
+            self._made[(id(parent), pool)] = made
+        return made[1]
+
+
+_without_cache = _WithoutCache()
 
 
 def _with_chunks(tspec: dict[str, Any], chunk: tuple[int, ...]) -> dict[str, Any]:
