@@ -191,6 +191,30 @@ def cmd_data_prepare(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert_to_orbax(a: argparse.Namespace) -> int:
+    from maxtext_moe.convert import to_orbax
+
+    try:
+        to_orbax.convert(Path(a.src), Path(a.out), resolve(a.recipe, a.overrides))
+    except KeyboardInterrupt:
+        print(f"\nmaxtext-moe: interrupted; nothing was written to {a.out}, the same command starts again.")
+        return 130
+    return 0
+
+
+def cmd_convert_to_hf(a: argparse.Namespace) -> int:
+    from maxtext_moe.convert import to_hf
+
+    try:
+        to_hf.convert(
+            Path(a.run_dir), Path(a.out), resolve(a.recipe, a.overrides), a.step, int(a.max_shard_gib * 2**30)
+        )
+    except KeyboardInterrupt:
+        print(f"\nmaxtext-moe: interrupted; nothing was written to {a.out}, the same command starts again.")
+        return 130
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="maxtext-moe", description="DeepSeek-V3 MoE training recipes on MaxText.")
     p.add_argument("--version", action="version", version=f"maxtext-moe {__version__}")
@@ -291,6 +315,40 @@ def parser() -> argparse.ArgumentParser:
     dp.add_argument("--workers", type=int, help="tokenizing processes (default: all cores)")
     dp.add_argument("--field", default="text", help="JSONL field / Parquet column with the text (default %(default)s)")
     dp.set_defaults(func=cmd_data_prepare)
+
+    cv = sub.add_parser("convert", help="Hugging Face DeepSeek-V3 checkpoints <-> Orbax, in bounded memory")
+    cvs = cv.add_subparsers(dest="convert_command", required=True, metavar="SUBCOMMAND")
+    ho = cvs.add_parser(
+        "hf-to-orbax",
+        help="a Hugging Face checkpoint (FP8 or BF16) -> the Orbax folder `train ... load_parameters_path=OUT` loads",
+        description="Stream SRC (config.json, safetensors shards, index) into OUT, in the layout RECIPE's model "
+        "trains from; FP8 weights are dequantized, the MTP layer and the router's bias kept. One tensor is read "
+        "and written at a time: peak host memory is the process's baseline plus 3x the largest tensor in float32 "
+        "plus 48 MiB, whatever the model's size (measured; docs/CONVERT.md). Written under OUT.partial and renamed "
+        "when complete; re-run to restart.",
+    )
+    ho.add_argument("src", metavar="SRC", help="the Hugging Face checkpoint folder")
+    ho.add_argument("out", metavar="OUT", help="the Orbax folder to write (must not exist)")
+    ho.add_argument("--recipe", required=True, help="the recipe whose model the checkpoint is for")
+    ho.add_argument("overrides", nargs="*", metavar="key=value")
+    ho.set_defaults(func=cmd_convert_to_orbax)
+    oh = cvs.add_parser(
+        "orbax-to-hf",
+        help="a run's Orbax checkpoint (or an hf-to-orbax folder) -> BF16 safetensors, index and config.json",
+        description="Stream the parameters of RUN_DIR's latest (or --step N) checkpoint, or of a folder hf-to-orbax "
+        "wrote, into OUT as Hugging Face DeepSeek-V3 safetensors in BF16 (the router's bias in float32), with an "
+        "index and a config.json that transformers loads. The optimizer state is never read. One tensor is read "
+        "and written at a time: peak host memory is the process's baseline plus 3x the largest tensor in float32 "
+        "plus 48 MiB, and the stored chunk that holds it (measured; docs/CONVERT.md). Written under OUT.partial "
+        "and renamed when complete; re-run to restart.",
+    )
+    oh.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (runs/RECIPE) or a folder hf-to-orbax wrote")
+    oh.add_argument("out", metavar="OUT", help="the Hugging Face folder to write (must not exist)")
+    oh.add_argument("--recipe", required=True, help="the recipe whose model the checkpoint holds")
+    oh.add_argument("--step", type=int, help="the checkpoint step to convert (default: the latest complete one)")
+    oh.add_argument("--max-shard-gib", type=float, default=5.0, help="largest safetensors shard (default 5 GiB)")
+    oh.add_argument("overrides", nargs="*", metavar="key=value")
+    oh.set_defaults(func=cmd_convert_to_hf)
 
     ls = sub.add_parser("list", help="list the recipes")
     ls.set_defaults(func=cmd_list)

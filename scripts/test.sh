@@ -7,4 +7,5 @@ py=$("$root/scripts/setup.sh" | tail -n 1)
 cd "$root"
 "$py" -m ruff check .
 "$py" -m ruff format --check .
+"$root/scripts/setup-hf-reference.sh" >/dev/null  # torch + transformers for the conversion tests, apart from .venv
 exec "$py" -m pytest "$@"

@@ -19,6 +19,11 @@ Each module names the gap it fills. `SYMBOLS` lists what they touch, so that one
 - `te`: TE's `_v2_grouped_gemm_available` flag (grouped-GEMM path) and its JAX bindings.
 - `aot`: `train_compile.get_shaped_inputs` and `jit_and_compile`, the step and its shardings, and MaxText's
   `create_device_mesh`, to compile the training step for devices that are not here (JAX's mock GPU topology).
+- `maxtext_params`: `models.transformer_as_linen` and `maxtext_utils.get_abstract_param`, the parameter tree
+  (names, shapes, dtypes) the conversion writes, keyed as MaxText's converters key it.
+- `orbax_stream`: `NumpyHandler._open_and_write`, overridden to write an array slice by slice, and Orbax's
+  read spec and tensorstore context (`get_json_tspec_read`, `ParamInfo`, `get_ts_context`) to read one back
+  slice by slice.
 - `jax_coordination`: `jax._src.distributed.global_state.client`, the key-value store of a multi-process run.
 """
 
@@ -54,6 +59,20 @@ SYMBOLS: tuple[tuple[str, str, str], ...] = (
     ("maxtext", "maxtext.utils.sharding", "maybe_update_params_sharding_with_opt"),
     ("maxtext", "maxtext.utils.sharding", "build_zero1_input_state_mesh_shardings"),
     ("maxtext", "maxtext.utils.sharding", "get_input_data_sharding"),
+    ("maxtext", "maxtext.models.models", "transformer_as_linen"),
+    ("maxtext", "maxtext.utils.maxtext_utils", "get_abstract_param"),
+    ("maxtext", "maxtext.checkpoint_conversion.utils.utils", "param_key_parts_from_path"),
+    ("maxtext", "maxtext.checkpoint_conversion.utils.param_mapping", "DEEPSEEK_MAXTEXT_TO_HF_PARAM_MAPPING"),
+    ("maxtext", "maxtext.checkpoint_conversion.utils.param_mapping", "DEEPSEEK_MAXTEXT_TO_HF_PARAM_HOOK_FN"),
+    ("maxtext", "maxtext.checkpoint_conversion.utils.tensor_handling", "apply_hook_fns"),
+    ("maxtext", "maxtext.checkpoint_conversion.utils.tensor_handling", "stacked_axes"),
+    ("maxtext", "maxtext.checkpoint_conversion.utils.tensor_handling", "nesting_depth"),
+    ("maxtext", "maxtext.checkpoint_conversion.utils.hf_model_configs", "deepseek3_671b_dict"),
+    ("orbax-checkpoint", "orbax.checkpoint.type_handlers", "NumpyHandler._open_and_write"),
+    ("orbax-checkpoint", "orbax.checkpoint.type_handlers", "get_json_tspec_read"),
+    ("orbax-checkpoint", "orbax.checkpoint.type_handlers", "get_ts_context"),
+    ("orbax-checkpoint", "orbax.checkpoint.type_handlers", "is_ocdbt_checkpoint"),
+    ("orbax-checkpoint", "orbax.checkpoint.type_handlers", "ParamInfo"),
     ("jax", "jax._src.distributed", "global_state.client"),
     ("jax", "jax._src.xla_bridge", "MOCK_GPU_TOPOLOGY"),
     ("transformer-engine-jax", "transformer_engine.jax.cpp_extensions.gemm", "_v2_grouped_gemm_available"),
