@@ -7,14 +7,11 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${MAXTEXT_MOE_HF_VENV:-$root/.venv-hf}
 want=$(sha256sum "$root/requirements/hf-reference.txt" | cut -c1-16)
 stamp="$venv/.maxtext-moe-installed"
+# shellcheck source=scripts/python312.sh
+source "$root/scripts/python312.sh"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   if [ ! -x "$venv/bin/python" ]; then
-    py=""
-    for c in python3.12 "$(command -v pyenv >/dev/null 2>&1 && pyenv root || echo "$HOME/.pyenv")"/versions/3.12*/bin/python3; do
-      if command -v "$c" >/dev/null 2>&1 && "$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
-        py=$(command -v "$c"); break
-      fi
-    done
+    py=$(find_python) || py=""
     [ -n "$py" ] || { echo "setup-hf-reference: no Python 3.12 found on PATH or under pyenv" >&2; exit 2; }
     echo "setup-hf-reference: creating $venv with $py" >&2
     "$py" -m venv "$venv"

@@ -6,15 +6,8 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${MAXTEXT_MOE_VENV:-$root/.venv}
 
-find_python() {
-  local c
-  for c in python3.12 "$(command -v pyenv >/dev/null 2>&1 && pyenv root || echo "$HOME/.pyenv")"/versions/3.12*/bin/python3; do
-    if command -v "$c" >/dev/null 2>&1 && "$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
-      command -v "$c"; return 0
-    fi
-  done
-  return 1
-}
+# shellcheck source=scripts/python312.sh
+source "$root/scripts/python312.sh"
 
 if [ ! -x "$venv/bin/python" ]; then
   py=$(find_python) || { echo "setup: no Python 3.12 found on PATH or under pyenv; install one (MaxText needs >= 3.12)" >&2; exit 2; }
