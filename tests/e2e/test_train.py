@@ -228,6 +228,40 @@ def test_another_recipe_never_overwrites_without_force(trained, tmp_path):
     assert "starting from scratch" in r.stdout
 
 
+def test_kill_9_resumes_from_the_latest_complete_checkpoint_with_the_same_losses(tmp_path):
+    """A hard kill (SIGKILL: the OOM killer, a node lost) of the whole process group: nothing is saved on the way
+    out, and the same command resumes from the latest complete checkpoint, taking over the dead run's lock, and
+    retrains the lost steps to the same losses."""
+    args = [sys.executable, "-m", "maxtext_moe", "train", "steps=400", "checkpoint_period=4"]
+    proc = subprocess.Popen(
+        [*args, f"base_output_directory={tmp_path}", *SMALL],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        start_new_session=True,
+    )
+    for line in proc.stdout:
+        if line.startswith("step    11/400"):
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    metrics = tmp_path / RUN / "metrics.jsonl"
+    written = metrics.read_text().splitlines()
+    before = {int(m["step"]): m["learning/loss"] for m in map(json.loads, written)}
+    saved = run_dir.scan(tmp_path / RUN / "checkpoints").latest
+    assert saved is not None and saved < max(before), (saved, sorted(before))  # steps past it were lost
+    r = run_cli("train", "steps=12", "learning_rate_schedule_steps=400", f"base_output_directory={tmp_path}", *SMALL)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "run lock: taking over" in r.stdout and f"resuming from step {saved + 1}" in r.stdout
+    after = [json.loads(x) for x in metrics.read_text().splitlines()][len(written) :]
+    again = {int(m["step"]): m["learning/loss"] for m in after}
+    assert sorted(again) == list(range(saved + 1, 12))
+    overlap = sorted(set(again) & set(before))
+    assert overlap and all(again[s] == pytest.approx(before[s], rel=1e-6) for s in overlap), (before, again)
+
+
 def test_sigterm_checkpoints_the_current_step_and_a_rerun_resumes(tmp_path):
     """A scheduler's SIGTERM mid-run: a checkpoint at the step reached, exit 143, and the same command resumes."""
     args = [
