@@ -31,7 +31,9 @@ class GuardCounts:
             if self._writer is None:
                 from tensorboardX import SummaryWriter
 
-                self._writer = SummaryWriter(str(self.folder))
+                # tensorboardX names event files by the second and the host: without a suffix of its own, a
+                # file opened in the same second as MaxText's (a rollback restarts MaxText) would be shared.
+                self._writer = SummaryWriter(str(self.folder), filename_suffix=".guard")
             self._writer.add_scalar(f"guard/{event}", self._counts[event], step)
             self._writer.flush()
         return self._counts[event]
