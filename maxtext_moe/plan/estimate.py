@@ -43,14 +43,16 @@ ATTENTION_EFFICIENCY = 0.41
 # Set by the FP8 rungs (proxy_h200_1gpu_run{4,5,6,7,8,10}_*fp8*.json, 2gpu_run9_*fp8*): FP8 pays 1-3% there.
 QUANTIZE_S_PER_ELEMENT = 1.2e-11
 # Routing, permute and unpermute (sort, gather, scatter, top-k) per routed (token, expert) copy per MoE
-# layer, by block: MaxText's sorts and scatters through XLA, ours runs its own permutation. The profiles'
-# "other" kernels (123 ms per step at batch 4, run5 profile) hold this, norms and the optimizer.
+# layer, by block: MaxText's sparse_matmul sorts and scatters through XLA, ours runs its own permutation.
+# TE's block (`te_moe_block`, no proxy rung) permutes in TE's fused kernels and is priced as ours. The
+# profiles' "other" kernels (123 ms per step at batch 4, run5 profile) hold this, norms and the optimizer.
 PERMUTE_S_PER_COPY = {"ours": 7.7e-8, "maxtext": 4.6e-7}
 # The per-step work that does not grow with tokens (AdamW update, gradient clipping) per parameter a GPU
 # holds: set by the rungs at batch 2-8 (docs/PERFORMANCE.md, fourth session: batch 8 gains 3.6% per token).
 STEP_S_PER_PARAM = 8.1e-12
-# Collectives and host transfers reach this fraction of the link's nominal bandwidth: set by the EP2 and
-# FSDP2 rungs (proxy_h200_2gpu_*.json) and the host-offloaded one (proxy_h200_1gpu_*_offloaded.json).
+# Collectives over NVLink and host transfers reach this fraction of the link's nominal bandwidth: set by the
+# EP2 and FSDP2 rungs (proxy_h200_2gpu_*.json) and the host-offloaded one (proxy_h200_1gpu_*_offloaded.json).
+# No multi-node run has been measured: the network's rate is taken as the profile states it.
 LINK_EFFICIENCY = 0.52
 
 
@@ -217,7 +219,8 @@ def _compute_seconds(f: flops.Flops, m: Model, lay: Layout, rec: Recompute) -> f
     rows = 1 + EMPTY_ROW_COST * (buffer - 1)
     copies = routed_copies(m, lay)
     quantize = copies * buffer * 2 * (m.emb + m.moe_mlp) * QUANTIZE_S_PER_ELEMENT if lay.expert_fp8 else 0.0
-    permute = copies * PERMUTE_S_PER_COPY["ours" if lay.dedup_dispatch else "maxtext"]
+    xla_sort = not lay.dedup_dispatch and lay.moe_path != "te"
+    permute = copies * PERMUTE_S_PER_COPY["maxtext" if xla_sort else "ours"]
     return (
         lay.tokens
         * (
@@ -235,6 +238,11 @@ def optimizer_seconds(m: Model, lay: Layout) -> float:
     return m.total_params / (lay.devices / lay.dp) * STEP_S_PER_PARAM
 
 
+def _seconds(c: communication.Collective, lay: Layout) -> float:
+    """A collective's time at the bandwidth it reaches: NVLink and the host link measured, the network not."""
+    return c.seconds if c.gbps == lay.hardware.inter_node_gbps else c.seconds / LINK_EFFICIENCY
+
+
 def evaluate(name: str, m: Model, lay: Layout, groups: int = 0, topk_groups: int = 0) -> Plan:
     """Plan one layout of one model."""
     f = flops.per_token(m, lay.seq)
@@ -243,8 +251,8 @@ def evaluate(name: str, m: Model, lay: Layout, groups: int = 0, topk_groups: int
     recompute = _recompute(m, lay)
     bubble = (lay.pp - 1) / (lay.microbatches + lay.pp - 1) if lay.pp > 1 else 0.0
     compute = _compute_seconds(f, m, lay, recompute) / (1 - bubble) + optimizer_seconds(m, lay)
-    hidden = sum(c.seconds for c in colls if c.overlapped) / LINK_EFFICIENCY
-    exposed = sum(c.seconds for c in colls if not c.overlapped) / LINK_EFFICIENCY + max(0.0, hidden - compute)
+    hidden = sum(_seconds(c, lay) for c in colls if c.overlapped)
+    exposed = sum(_seconds(c, lay) for c in colls if not c.overlapped) + max(0.0, hidden - compute)
     return Plan(
         recipe=name,
         model=m,
