@@ -30,14 +30,14 @@ DENSE_GEMM_EFFICIENCY = 790 / 989
 # (benchmarks/bench_moe_layer.py). tokamax and ragged_dot: alone (docs/PERFORMANCE.md); with tokamax,
 # MaxText's block on one GPU and over FSDP2 comes within 10% (its EP2 rungs do not: the test's known gaps).
 GROUPED_GEMM_EFFICIENCY = {"te": 0.50, "tokamax": 276 / 989, "ragged_dot": 23 / 989, "dense": 790 / 989}
+# cuDNN flash attention forward + backward (+ its forward rerun when recomputed): the same two profiles,
+# 64 ms and 142 ms per step for 28 and 56 ms of work at peak (0.43 and 0.39).
+ATTENTION_EFFICIENCY = 0.41
 # The constants from here on are fitted together (least squares of the relative error, the rates above held)
 # to the median steps of every proxy rung tests/unit/test_plan_calibration.py holds (docs/results/proxy_*.json).
 # An empty receive slot in our EP block's TE buffer (expert_rows_computed) costs this fraction of a routed
 # row: set by the EP2 rungs at ragged_buffer_factor -1, 1.25 and 1.1 (proxy_h200_2gpu_run1[0-3]_*.json).
 EMPTY_ROW_COST = 0.79
-# cuDNN flash attention forward + backward (+ its forward rerun when recomputed): the same two profiles,
-# 64 ms and 142 ms per step for 28 and 56 ms of work at peak (0.43 and 0.39).
-ATTENTION_EFFICIENCY = 0.41
 # FP8 expert GEMMs: seconds per element of the tensors quantized per routed copy (input and hidden
 # activation forward, their gradients backward: 2 x (emb + moe_mlp)); TE's unfused cast/transpose passes.
 # Set by the FP8 rungs (proxy_h200_1gpu_run{4,5,6,7,8,10}_*fp8*.json, 2gpu_run9_*fp8*): FP8 pays 1-3% there.
@@ -48,7 +48,7 @@ QUANTIZE_S_PER_ELEMENT = 1.2e-11
 # profiles' "other" kernels (123 ms per step at batch 4, run5 profile) hold this, norms and the optimizer.
 PERMUTE_S_PER_COPY = {"ours": 7.7e-8, "maxtext": 4.6e-7}
 # The per-step work that does not grow with tokens (AdamW update, gradient clipping) per parameter a GPU
-# holds: set by the rungs at batch 2-8 (docs/PERFORMANCE.md, fourth session: batch 8 gains 3.6% per token).
+# holds: set by the rungs at batch 2-8 (docs/PERFORMANCE.md: batch 8 gains 3.6% per token over batch 4).
 STEP_S_PER_PARAM = 8.1e-12
 # Collectives over NVLink and host transfers reach this fraction of the link's nominal bandwidth: set by the
 # EP2 and FSDP2 rungs (proxy_h200_2gpu_*.json) and the host-offloaded one (proxy_h200_1gpu_*_offloaded.json).
@@ -171,8 +171,8 @@ class Recompute:
 
 def _recompute(m: Model, lay: Layout) -> Recompute:
     """Each matmul whose named output is `remat`. MaxText's block tags wi_1's output only `moe_mlpwi_1`,
-    which no preset saves (docs/PERFORMANCE.md, fourth session); with TE in a scanned loop every saved
-    expert GEMM output is computed twice in the forward (the same, second finding)."""
+    which no preset saves; with TE in a scanned loop every saved expert GEMM output is computed twice in
+    the forward (docs/PERFORMANCE.md, findings 1 and 2 of the minimal-remat runs)."""
     r = lay.remat
     up, down = m.n_up * m.emb, m.emb
     dense = [
