@@ -1,11 +1,13 @@
 """Step time, TFLOPS/GPU and the fit verdict of one layout; text and JSON rendering.
 
-The compute rates are measured ones where we have them (on an H200; docs/PERFORMANCE.md): a large
-BF16 GEMM reaches 790/989 of peak; the routed experts' grouped GEMM reaches 637/989 through TE,
-276/989 through tokamax and 23/989 through `jax.lax.ragged_dot`. Other profiles and FP8 are assumed
-to reach the same fraction of their own peak; flash attention is assumed at half of BF16 peak (not
-measured). Collectives the latency-hiding scheduler can overlap cost only what exceeds compute; the
-EP all-to-all sits on the critical path.
+The step time is a sum of physical terms, each priced by a constant calibrated on the H200 proxy runs in
+docs/results (every constant below names its measurement): dense GEMMs, the routed experts' grouped GEMM
+(empty receive slots included), flash attention, each at its rate inside a real step (profiles, not single
+kernels); FP8 quantization; the MoE block's routing/permute/unpermute per routed copy; the per-step
+optimizer update per parameter a GPU holds; exposed collectives at the link bandwidth they reach.
+Recomputation under remat is priced by the kernel it reruns. Other profiles and FP8 are assumed to reach
+the same fraction of their own peak. Collectives the latency-hiding scheduler can overlap cost only what
+exceeds compute; the EP all-to-all sits on the critical path.
 """
 
 from __future__ import annotations
@@ -20,9 +22,38 @@ from maxtext_moe.plan.model import Model
 from maxtext_moe.recipe.resolved import ResolvedRecipe
 
 GIB = 2**30
+# cuBLAS GEMMs: a measured 8192^3 BF16 matmul (790 TFLOP/s); the proxy profiles' cuBLAS time agrees within
+# 10% (proxy_h200_1gpu_run4_ours_full_profile_summary.json, run5_ours_b4_minimal_scanned_profile.json).
 DENSE_GEMM_EFFICIENCY = 790 / 989
-GROUPED_GEMM_EFFICIENCY = {"te": 637 / 989, "tokamax": 276 / 989, "ragged_dot": 23 / 989, "dense": 790 / 989}
-ATTENTION_EFFICIENCY = 0.5  # assumption: flash attention at half of BF16 peak
+# Routed experts' grouped GEMM inside a step. TE: its kernel time in the two one-GPU profiles above (189 ms
+# and 363 ms per step for 93 and 187 ms of work at peak: 0.49-0.51), below the 637/989 it reaches alone
+# (benchmarks/bench_moe_layer.py). tokamax and ragged_dot: alone (docs/PERFORMANCE.md); with tokamax,
+# MaxText's block on one GPU and over FSDP2 comes within 10% (its EP2 rungs do not: the test's known gaps).
+GROUPED_GEMM_EFFICIENCY = {"te": 0.50, "tokamax": 276 / 989, "ragged_dot": 23 / 989, "dense": 790 / 989}
+# cuDNN flash attention forward + backward (+ its forward rerun when recomputed): the same two profiles,
+# 64 ms and 142 ms per step for 28 and 56 ms of work at peak (0.43 and 0.39).
+ATTENTION_EFFICIENCY = 0.41
+# The constants from here on are fitted together (least squares of the relative error, the rates above held)
+# to the median steps of every proxy rung tests/unit/test_plan_calibration.py holds (docs/results/proxy_*.json).
+# An empty receive slot in our EP block's TE buffer (expert_rows_computed) costs this fraction of a routed
+# row: set by the EP2 rungs at ragged_buffer_factor -1, 1.25 and 1.1 (proxy_h200_2gpu_run1[0-3]_*.json).
+EMPTY_ROW_COST = 0.79
+# FP8 expert GEMMs: seconds per element of the tensors quantized per routed copy (input and hidden
+# activation forward, their gradients backward: 2 x (emb + moe_mlp)); TE's unfused cast/transpose passes.
+# Set by the FP8 rungs (proxy_h200_1gpu_run{4,5,6,7,8,10}_*fp8*.json, 2gpu_run9_*fp8*): FP8 pays 1-3% there.
+QUANTIZE_S_PER_ELEMENT = 1.2e-11
+# Routing, permute and unpermute (sort, gather, scatter, top-k) per routed (token, expert) copy per MoE
+# layer, by block: MaxText's sparse_matmul sorts and scatters through XLA, ours runs its own permutation.
+# TE's block (`te_moe_block`, no proxy rung) permutes in TE's fused kernels and is priced as ours. The
+# profiles' "other" kernels (123 ms per step at batch 4, run5 profile) hold this, norms and the optimizer.
+PERMUTE_S_PER_COPY = {"ours": 7.7e-8, "maxtext": 4.6e-7}
+# The per-step work that does not grow with tokens (AdamW update, gradient clipping) per parameter a GPU
+# holds: set by the rungs at batch 2-8 (docs/PERFORMANCE.md: batch 8 gains 3.6% per token over batch 4).
+STEP_S_PER_PARAM = 8.1e-12
+# Collectives over NVLink and host transfers reach this fraction of the link's nominal bandwidth: set by the
+# EP2 and FSDP2 rungs (proxy_h200_2gpu_*.json) and the host-offloaded one (proxy_h200_1gpu_*_offloaded.json).
+# No multi-node run has been measured: the network's rate is taken as the profile states it.
+LINK_EFFICIENCY = 0.52
 
 
 @dataclass(frozen=True)
@@ -125,21 +156,44 @@ class Plan:
         return "\n".join(lines)
 
 
-def _recompute(m: Model, lay: Layout) -> float:
-    """Forward FLOPs per token redone in the backward: each matmul whose named output is `remat`."""
+@dataclass(frozen=True)
+class Recompute:
+    """Forward FLOPs per token redone in the backward, by the kernel that reruns them."""
+
+    gemm: float
+    grouped: float
+    core: float
+
+    @property
+    def total(self) -> float:
+        return self.gemm + self.grouped + self.core
+
+
+def _recompute(m: Model, lay: Layout) -> Recompute:
+    """Each matmul whose named output is `remat`. MaxText's block tags wi_1's output only `moe_mlpwi_1`,
+    which no preset saves; with TE in a scanned loop every saved expert GEMM output is computed twice in
+    the forward (docs/PERFORMANCE.md, findings 1 and 2 of the minimal-remat runs)."""
     r = lay.remat
     up, down = m.n_up * m.emb, m.emb
-    parts = [
+    dense = [
         ("query_proj", m.layers * m.q_weights * 2),
         ("key_proj", m.layers * m.kv_weights * 2),
         ("out_proj", m.layers * m.out_weights * 2),
-        ("context", m.layers * flops.attention_core_per_layer(m, lay.seq) / 3),
         ("mlpwi_0", 2 * up * (m.dense_layers * m.mlp + m.moe_layers * m.shared * m.moe_mlp)),
         ("mlpwo", 2 * down * (m.dense_layers * m.mlp + m.moe_layers * m.shared * m.moe_mlp)),
-        ("moe_mlpwi_0", 2 * up * m.moe_layers * m.topk * m.moe_mlp),
-        ("moe_mlpwo", 2 * down * m.moe_layers * m.topk * m.moe_mlp),
     ]
-    return sum(v for name, v in parts if r[name] == "remat")
+    experts = m.moe_layers * m.topk * m.moe_mlp
+    grouped = [("moe_mlpwi_0", 2 * up * experts), ("moe_mlpwo", 2 * down * experts)]
+    rerun = sum(v for name, v in grouped if r[name] == "remat")
+    if not lay.dedup_dispatch and lay.remat_name != "custom" and r["moe_mlpwi_0"] != "remat":
+        rerun += 2 * m.emb * experts
+    if lay.dedup_dispatch and lay.moe_path == "te" and lay.scanned:
+        rerun += sum(v for name, v in grouped if r[name] != "remat")
+    return Recompute(
+        gemm=sum(v for name, v in dense if r[name] == "remat"),
+        grouped=rerun,
+        core=m.layers * flops.attention_core_per_layer(m, lay.seq) / 3 if r["context"] == "remat" else 0.0,
+    )
 
 
 def expert_rows_computed(m: Model, lay: Layout) -> float:
@@ -152,17 +206,41 @@ def expert_rows_computed(m: Model, lay: Layout) -> float:
     return 1.0
 
 
-def _compute_seconds(f: flops.Flops, m: Model, lay: Layout, recompute: float) -> float:
+def routed_copies(m: Model, lay: Layout) -> float:
+    """(token, expert) copies routed per step on one GPU, over every MoE layer (MTP's included)."""
+    return lay.tokens * (m.moe_layers + m.mtp_layers) * m.topk
+
+
+def _compute_seconds(f: flops.Flops, m: Model, lay: Layout, rec: Recompute) -> float:
+    """Kernel time of the step's tokens: GEMMs, grouped GEMMs, attention, quantization, permutation."""
     hw = lay.hardware
     peak = {True: (hw.peak_fp8_tflops or hw.peak_bf16_tflops) * 1e12, False: hw.peak_bf16_tflops * 1e12}
-    scale = 1 + recompute / f.total  # recompute spread over the step's mix of kernels
-    t = lay.tokens * scale
-    grouped = f.grouped_gemm * expert_rows_computed(m, lay)
-    return t * (
-        f.gemm / (peak[lay.dense_fp8] * DENSE_GEMM_EFFICIENCY)
-        + grouped / (peak[lay.expert_fp8] * GROUPED_GEMM_EFFICIENCY[lay.moe_path])
-        + f.core / (peak[False] * ATTENTION_EFFICIENCY)
+    buffer = expert_rows_computed(m, lay)
+    rows = 1 + EMPTY_ROW_COST * (buffer - 1)
+    copies = routed_copies(m, lay)
+    quantize = copies * buffer * 2 * (m.emb + m.moe_mlp) * QUANTIZE_S_PER_ELEMENT if lay.expert_fp8 else 0.0
+    xla_sort = not lay.dedup_dispatch and lay.moe_path != "te"
+    permute = copies * PERMUTE_S_PER_COPY["maxtext" if xla_sort else "ours"]
+    return (
+        lay.tokens
+        * (
+            (f.gemm + rec.gemm) / (peak[lay.dense_fp8] * DENSE_GEMM_EFFICIENCY)
+            + (f.grouped_gemm + rec.grouped) * rows / (peak[lay.expert_fp8] * GROUPED_GEMM_EFFICIENCY[lay.moe_path])
+            + (f.core + rec.core) / (peak[False] * ATTENTION_EFFICIENCY)
+        )
+        + quantize
+        + permute
     )
+
+
+def optimizer_seconds(m: Model, lay: Layout) -> float:
+    """The per-step work that does not grow with tokens, over the parameters one GPU holds."""
+    return m.total_params / (lay.devices / lay.dp) * STEP_S_PER_PARAM
+
+
+def _seconds(c: communication.Collective, lay: Layout) -> float:
+    """A collective's time at the bandwidth it reaches: NVLink and the host link measured, the network not."""
+    return c.seconds if c.gbps == lay.hardware.inter_node_gbps else c.seconds / LINK_EFFICIENCY
 
 
 def evaluate(name: str, m: Model, lay: Layout, groups: int = 0, topk_groups: int = 0) -> Plan:
@@ -172,9 +250,9 @@ def evaluate(name: str, m: Model, lay: Layout, groups: int = 0, topk_groups: int
     colls, a2a = communication.per_step(m, lay, groups, topk_groups)
     recompute = _recompute(m, lay)
     bubble = (lay.pp - 1) / (lay.microbatches + lay.pp - 1) if lay.pp > 1 else 0.0
-    compute = _compute_seconds(f, m, lay, recompute) / (1 - bubble)
-    hidden = sum(c.seconds for c in colls if c.overlapped)
-    exposed = sum(c.seconds for c in colls if not c.overlapped) + max(0.0, hidden - compute)
+    compute = _compute_seconds(f, m, lay, recompute) / (1 - bubble) + optimizer_seconds(m, lay)
+    hidden = sum(_seconds(c, lay) for c in colls if c.overlapped)
+    exposed = sum(_seconds(c, lay) for c in colls if not c.overlapped) + max(0.0, hidden - compute)
     return Plan(
         recipe=name,
         model=m,
@@ -184,7 +262,7 @@ def evaluate(name: str, m: Model, lay: Layout, groups: int = 0, topk_groups: int
         collectives=colls,
         a2a=a2a,
         compute_s=compute,
-        recompute_fraction=recompute / f.total,
+        recompute_fraction=recompute.total / f.total,
         bubble=bubble,
         step_s=compute + exposed,
     )

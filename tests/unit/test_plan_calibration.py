@@ -1,9 +1,10 @@
-"""The planner's memory per GPU against every proxy run's measured peak (docs/results/proxy_*.json).
+"""The planner's memory per GPU and step time against every proxy run's measurements (docs/results/proxy_*.json).
 
 `maxtext-moe launch` refuses a recipe the planner says does not fit, so a planner that is high refuses
-recipes that run, and one that is low lets a recipe run out of memory. Each result file written by
-`maxtext-moe bench` records the recipe, the MaxText keys it ran with and its `moe` section; this test
-plans the same recipe with those keys as overrides, as a user would, and compares.
+recipes that run, and one that is low lets a recipe run out of memory; `plan --search` ranks layouts by the
+step time, and `bench` prints it beside the measured one. Each result file written by `maxtext-moe bench`
+records the recipe, the MaxText keys it ran with and its `moe` section; these tests plan the same recipe
+with those keys as overrides, as a user would, and compare.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from maxtext_moe import cli
-from maxtext_moe.plan.estimate import estimate
+from maxtext_moe.plan.estimate import Plan, estimate
 from maxtext_moe.recipe import maxtext_keys
 
 GIB = 2**30
@@ -45,6 +46,27 @@ KNOWN_GAPS = {
         "76.2 GiB): buffers of its permute / ragged all-to-all that carry no remat name. One measurement, at "
         "EP2 and worst-case buffers; a term fitted to it would scale with EP x top-k and refuse the 671B EP8 recipes."
     ),
+}
+
+
+# Rungs whose step time the planner misses by more than TOLERANCE, with why; the test fails if one comes within.
+_TOKAMAX_EP2 = (
+    "tokamax's grouped GEMM under EP2: the profile (proxy_h200_2gpu_run7_ep2_ours_tokamax_profile.json) shows "
+    "each GPU busy about 53% of the step, its ragged-dot kernels at about half of peak; the idle time is not "
+    "explained by any kernel or collective, so the planner has no term for it (13-15% optimistic)."
+)
+_UNRECORDED_BLOCK = (
+    "recorded before bench wrote the moe section, so it is planned as MaxText's block; its name and its time "
+    "(0.46 s, as proxy_h200_1gpu_run4_ours_full_profile's ours/TE) say it ran our block on TE."
+)
+KNOWN_STEP_GAPS = {
+    "proxy_h200_2gpu_run5_ep2_maxtext_ragged_decomposed": _TOKAMAX_EP2,
+    "proxy_h200_2gpu_run5_ep2_ours_tokamax_ragged_decomposed": _TOKAMAX_EP2,
+    "proxy_h200_2gpu_run6_ep2_ours_tokamax_all_to_all": _TOKAMAX_EP2,
+    "proxy_h200_2gpu_run7_ep2_ours_tokamax_lhs_collective_flags": _TOKAMAX_EP2,
+    "proxy_h200_2gpu_run7_ep2_ours_tokamax_profile": _TOKAMAX_EP2,
+    "proxy_h200_1gpu_run3_ours_te_full": _UNRECORDED_BLOCK,
+    "proxy_h200_1gpu_run3_ours_te_minimal": _UNRECORDED_BLOCK,
 }
 
 
@@ -79,8 +101,24 @@ def measured_runs() -> list[tuple[str, dict]]:
     return runs
 
 
-def planned_gib(result: dict) -> float:
-    return estimate(cli.resolve(result["recipe"], overrides(result))).memory.device_total / GIB
+def planned(result: dict) -> Plan:
+    return estimate(cli.resolve(result["recipe"], overrides(result)))
+
+
+def check(measured: dict[str, float], predicted: dict[str, float], gaps: dict[str, str], unit: str) -> None:
+    """Every run within TOLERANCE but the known gaps, and no known gap that has closed."""
+    rows, worst, closed = [], 0.0, []
+    for name, value in measured.items():
+        error = (predicted[name] - value) / value
+        if name in gaps:
+            closed += [name] if abs(error) <= TOLERANCE else []
+        else:
+            worst = max(worst, abs(error))
+        gap = " (known gap)" if name in gaps else ""
+        rows.append(f"{name:60s} measured {value:6.3g}  planned {predicted[name]:6.3g} {unit}  {error:+6.1%}{gap}")
+    table = "\n".join(rows)
+    assert worst <= TOLERANCE, f"worst |planned - measured| / measured {worst:.1%} > {TOLERANCE:.0%}:\n{table}"
+    assert not closed, f"now within {TOLERANCE:.0%}, remove from the known gaps: {closed}\n{table}"
 
 
 def test_every_measured_run_is_collected() -> None:
@@ -94,20 +132,20 @@ def test_every_measured_run_is_collected() -> None:
 
 
 def test_planned_memory_within_tolerance_of_measured_peak() -> None:
-    rows, worst, closed = [], 0.0, []
-    for name, result in measured_runs():
-        measured = result["peak_device_memory_gib"]
-        planned = planned_gib(result)
-        error = (planned - measured) / measured
-        if name in KNOWN_GAPS:
-            closed += [name] if abs(error) <= TOLERANCE else []
-        else:
-            worst = max(worst, abs(error))
-        gap = " (known gap)" if name in KNOWN_GAPS else ""
-        rows.append(f"{name:60s} measured {measured:6.1f}  planned {planned:6.1f}  {error:+6.1%}{gap}")
-    table = "\n".join(rows)
-    assert worst <= TOLERANCE, f"worst |planned - measured| / measured {worst:.1%} > {TOLERANCE:.0%}:\n{table}"
-    assert not closed, f"now within {TOLERANCE:.0%}, remove from KNOWN_GAPS: {closed}\n{table}"
+    runs = measured_runs()
+    measured = {name: r["peak_device_memory_gib"] for name, r in runs}
+    check(measured, {name: planned(r).memory.device_total / GIB for name, r in runs}, KNOWN_GAPS, "GiB")
+
+
+def test_planned_step_time_within_tolerance_of_measured_median() -> None:
+    """What `plan` and `bench` print as the predicted step against `bench`'s median step on every rung:
+    one GPU and EP2, BF16 and FP8 experts, both blocks, scanned and unrolled, every remat policy."""
+    runs = [(name, r) for name, r in measured_runs() if r.get("step_s_median")]
+    assert len(runs) >= 40
+    assert {r["devices"] for _, r in runs} == {1, 2}
+    assert {(r.get("moe") or {}).get("fp8", "none") for _, r in runs} == {"none", "current_scaling"}
+    measured = {name: r["step_s_median"] for name, r in runs}
+    check(measured, {name: planned(r).step_s for name, r in runs}, KNOWN_STEP_GAPS, "s")
 
 
 @pytest.mark.parametrize("recipe", ["deepseek3-proxy-h200-1gpu", "deepseek3-proxy-h200-2gpu"])
