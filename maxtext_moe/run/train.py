@@ -200,7 +200,6 @@ def _run(
             skip_nonfinite.install()
         if resolved.attention["residuals"] == "save":
             remat.install()
-        stop_metrics.install()
         out(
             f"{resolved.name}: {config.num_decoder_layers} decoder layers, {resolved.topology.num_devices} device(s) "
             f"of {resolved.topology.hardware}, "
@@ -224,6 +223,7 @@ def _run(
                     interrupt.graceful() as interrupts,
                 ):
                     try:
+                        stop_metrics.install()  # each attempt: a stop held by the one before is not this one's
                         maxtext_train.main(maxtext_config.argv(maxtext))
                     except Exception as e:
                         resuming = bool(start) and progress.last is None
