@@ -191,14 +191,19 @@ def cmd_data_prepare(a: argparse.Namespace) -> int:
     return 0
 
 
+def _conversion_interrupted(out: str) -> int:
+    """Ctrl-C during a conversion: its output is still under OUT.partial, which the next run replaces."""
+    print(f"\nmaxtext-moe: interrupted; nothing was written to {out}, the same command starts again.")
+    return 130
+
+
 def cmd_convert_to_orbax(a: argparse.Namespace) -> int:
     from maxtext_moe.convert import to_orbax
 
     try:
         to_orbax.convert(Path(a.src), Path(a.out), resolve(a.recipe, a.overrides))
     except KeyboardInterrupt:
-        print(f"\nmaxtext-moe: interrupted; nothing was written to {a.out}, the same command starts again.")
-        return 130
+        return _conversion_interrupted(a.out)
     return 0
 
 
@@ -210,8 +215,7 @@ def cmd_convert_to_hf(a: argparse.Namespace) -> int:
             Path(a.run_dir), Path(a.out), resolve(a.recipe, a.overrides), a.step, int(a.max_shard_gib * 2**30)
         )
     except KeyboardInterrupt:
-        print(f"\nmaxtext-moe: interrupted; nothing was written to {a.out}, the same command starts again.")
-        return 130
+        return _conversion_interrupted(a.out)
     return 0
 
 
