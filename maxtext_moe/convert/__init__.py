@@ -9,6 +9,7 @@ and hooks, used here as they are). What it leaves out, and these modules fill:
   our recipes keep them), the order in which each MaxText array's slices arrive, the MTP layer's Hugging Face
   shapes, and where a training run's checkpoint keeps the bias.
 - `hf_config`: the checkpoint's `config.json` against the recipe, before anything is written.
+- `staging`: `OUT.partial`, renamed to `OUT` when complete; an existing `OUT` is refused.
 - `to_orbax`: Hugging Face -> Orbax, one tensor at a time, with progress and a temp name renamed when complete.
 - `to_hf`: Orbax (a run's checkpoint or a converted folder) -> Hugging Face BF16 safetensors, one tensor at a time.
 """

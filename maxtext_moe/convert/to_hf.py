@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import resource
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,7 +25,7 @@ from typing import TYPE_CHECKING
 import ml_dtypes
 import numpy as np
 
-from maxtext_moe.convert import hf_config, layout
+from maxtext_moe.convert import hf_config, layout, staging
 from maxtext_moe.convert.hf_checkpoint import INDEX
 from maxtext_moe.convert.progress import Progress
 from maxtext_moe.convert.safetensors_io import ShardWriter
@@ -135,8 +134,7 @@ def convert(
     log: Callable[[str], None] = print,
 ) -> Path:
     """Write `out` (config.json, safetensors shards, their index) from the Orbax checkpoint under `src`."""
-    if out.exists():
-        raise UserError(f"{out} exists.", fix="remove it or choose another OUT; a finished conversion is kept.")
+    staging.refuse_existing(out)
     items, record = find_items(src, step)
     _check_identity(record, resolved)
 
@@ -156,10 +154,7 @@ def convert(
     plan = _plan(targets, shapes, copies)
     shards = _shards(plan, max_shard_bytes)
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    partial = out.with_name(out.name + ".partial")
-    if partial.exists():
-        log(f"convert: removing {partial}, left by an interrupted conversion; starting again")
-        shutil.rmtree(partial)
+    partial = staging.fresh_partial(out, log)
     partial.mkdir(parents=True)
     total = sum(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize for _, shape, dtype in plan)
     baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

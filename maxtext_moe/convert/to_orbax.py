@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from maxtext_moe.convert import hf_config, layout
+from maxtext_moe.convert import hf_config, layout, staging
 from maxtext_moe.convert.hf_checkpoint import HfCheckpoint
 from maxtext_moe.convert.progress import Progress
 from maxtext_moe.errors import UserError
@@ -61,8 +61,7 @@ def _nest(flat: dict[str, object]) -> dict[str, object]:
 
 def convert(src: Path, out: Path, resolved: ResolvedRecipe, log: Callable[[str], None] = print) -> Path:
     """Write `out` (an Orbax step folder) from the Hugging Face checkpoint `src`, for `resolved`'s model."""
-    if out.exists():
-        raise UserError(f"{out} exists.", fix="remove it or choose another OUT; a finished conversion is kept.")
+    staging.refuse_existing(out)
     hf = HfCheckpoint(src)
     hf_config.check(hf.config, resolved, str(src / "config.json"))
     for shard in hf.shards():
@@ -84,10 +83,7 @@ def convert(src: Path, out: Path, resolved: ResolvedRecipe, log: Callable[[str],
         t.key: orbax_stream.SlicedArray(t.shape, np.dtype(t.dtype), t.chunk, lambda t=t: _blocks(t, hf, progress))
         for t in targets
     }
-    partial = out.with_name(out.name + ".partial")
-    if partial.exists():
-        log(f"convert: removing {partial}, left by an interrupted conversion; starting again")
-        shutil.rmtree(partial)
+    partial = staging.fresh_partial(out, log)
     baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     log(
         f"convert: {src} ({hf.total_bytes() / 2**30:,.2f} GiB in {len(hf.shards())} shard(s)) -> {out}; "
