@@ -2,25 +2,36 @@
 # One device call on one H200 (issue 14): `maxtext-moe plan RECIPE --compile --json` for each DeepSeek-V3
 # recipe, every 671B one on JAX's mock GPU topology of its full device count and the proxies, each under
 # its own time limit (PLAN_TIMEOUT seconds, default 150); a failure is logged and the next recipe runs.
-# JSON and logs: plan_compile/ in $OUT/results.tgz (packed again after every recipe, so a call stopped at its limit still
-# brings back what finished); a table of compiled vs planned memory comes last.
+# PLAN_JOBS recipes compile at once (default 1): a compile is mostly one CPU core's work and leaves the GPU's
+# memory alone (`plan --compile` turns preallocation off), so a 16-core machine takes several 671B recipes
+# in one call's limit. Do not time training beside it: XLA's autotuner still runs kernels on the GPU.
+# JSON and logs: plan_compile/ in $OUT/results.tgz (packed again after every recipe, so a call stopped at its
+# limit still brings back what finished); a table of compiled vs planned memory comes last.
 # Usage there: bash scripts/device/plan_compile_h200.sh [recipes/NAME.yml ...]  (default: the proxies, then every
-# 671B recipe; a 671B compile can take minutes: name a few per call to stay inside one call's limit)
+# 671B recipe; a 671B compile can take many minutes: name a few per call, with PLAN_JOBS to run them together)
 set -uo pipefail
 source scripts/device/common.sh
 PLAN_TIMEOUT=${PLAN_TIMEOUT:-150}
+PLAN_JOBS=${PLAN_JOBS:-1}
 R="$W/plan_compile"; mkdir -p "$R"  # packed into $OUT/results.tgz: a call brings back at most 8 files
 if [ $# -eq 0 ]; then
   set -- recipes/deepseek3-proxy-*.yml recipes/deepseek3-671b-*.yml
 fi
-for recipe in "$@"; do
-  name=$(basename "$recipe" .yml); t0=$SECONDS
+compile() {  # one recipe: NAME.json (or NAME.log's last lines on failure), its line in status.txt
+  local recipe=$1 name t0=$SECONDS rc
+  name=$(basename "$recipe" .yml)
   mkdir -p "$W/$name.work"  # a failed compile leaves its full log there (TMPDIR), packed with the rest
-  TMPDIR="$W/$name.work" timeout -k 10 "$PLAN_TIMEOUT" python3 -m maxtext_moe plan "$name" --compile --json > "$R/$name.json" 2> "$R/$name.log"
+  TMPDIR="$W/$name.work" timeout -k 10 "$PLAN_TIMEOUT" python3 -m maxtext_moe plan "$name" --compile --json \
+    > "$R/$name.json" 2> "$R/$name.log"
   rc=$?
   echo "$name: rc=$rc, $((SECONDS - t0)) s" | tee -a "$R/status.txt"
   [ "$rc" = 0 ] || { rm -f "$R/$name.json"; tail -3 "$R/$name.log"; }
-  cp "$R/$name".* "$W/" 2>/dev/null
-  pack
+}
+for recipe in "$@"; do
+  while [ "$(jobs -rp | wc -l)" -ge "$PLAN_JOBS" ]; do wait -n; pack; done
+  compile "$recipe" &
 done
+wait
+pack
 python3 scripts/device/plan_compile_table.py "$R" | tee "$R/table.txt"
+pack

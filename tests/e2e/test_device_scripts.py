@@ -23,13 +23,16 @@ case "$*" in
                echo "end $(date +%s.%N) $*" >> "$CALLS.times"
                echo "step time            median 0.459 s (min 0.451, max 0.483)";;
   *" plan "*2gpu-fsdp*) echo "maxtext-moe: error: boom" >&2; exit 2;;
-  *" plan "*) echo '{"route": "gpu"}';;
+  *" plan "*) echo "start $(date +%s.%N) $*" >> "$CALLS.times"; sleep 0.3
+              echo "end $(date +%s.%N) $*" >> "$CALLS.times"; echo '{"route": "gpu"}';;
 esac
 exit 0
 """
 
 
-def run_script(tmp_path: Path, script: str, *args: str) -> tuple[subprocess.CompletedProcess, list[str], Path]:
+def run_script(
+    tmp_path: Path, script: str, *args: str, **extra_env: str
+) -> tuple[subprocess.CompletedProcess, list[str], Path]:
     bin_dir, out, te = tmp_path / "bin", tmp_path / "out", tmp_path / "te"
     for d in (bin_dir, out, te):
         d.mkdir()
@@ -45,6 +48,7 @@ def run_script(tmp_path: Path, script: str, *args: str) -> tuple[subprocess.Comp
         TE_ROOT=str(te),
         CALLS=str(calls),
         DEVICE_RESULTS=str(tmp_path / "results"),
+        **extra_env,
     )
     for name in ("CUDA_VISIBLE_DEVICES", "JAX_PROCESS_ID", "JAX_NUM_PROCESSES"):  # as the scripts would find them
         env.pop(name, None)
@@ -52,6 +56,15 @@ def run_script(tmp_path: Path, script: str, *args: str) -> tuple[subprocess.Comp
         ["bash", f"scripts/device/{script}", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
     )
     return proc, calls.read_text().splitlines(), out / "results.tgz"
+
+
+def intervals(tmp_path: Path, name: object) -> dict[str, dict[str, float]]:
+    """When each fake run started and ended, keyed by `name(call line)`."""
+    times: dict[str, dict[str, float]] = {}
+    for line in (tmp_path / "calls.txt.times").read_text().splitlines():
+        what, t = line.split()[:2]
+        times.setdefault(name(line), {})[what] = float(t)
+    return times
 
 
 def rung_name(call: str) -> str:
@@ -73,10 +86,7 @@ def test_ladder_runs_one_rung_per_gpu_side_by_side(tmp_path: Path) -> None:
     assert bench["a"].endswith("x=1") and bench["b"].endswith("--profile y=2")
     assert proc.stdout.count("step time            median 0.459 s") == 3
     assert {"a.summary", "b.summary", "c.summary", "a.log", "gpu.txt"} <= packed(archive)
-    times: dict[str, dict[str, float]] = {}
-    for line in (tmp_path / "calls.txt.times").read_text().splitlines():
-        what, t = line.split()[:2]
-        times.setdefault(rung_name(line), {})[what] = float(t)
+    times = intervals(tmp_path, rung_name)
     assert times["b"]["start"] < times["a"]["end"] and times["a"]["start"] < times["b"]["end"]  # side by side
     assert times["c"]["start"] >= max(times["a"]["end"], times["b"]["end"])  # the next round waits for both
 
@@ -111,3 +121,16 @@ def test_plan_compile_runs_every_recipe_under_a_limit_past_failures_then_the_tab
     assert "deepseek3-proxy-h200-2gpu-fsdp: rc=2" in status and status.count("rc=0") == len(want) - 1
     assert "maxtext-moe: error: boom" in proc.stdout
     assert {"deepseek3-671b-h200-128.json", "deepseek3-proxy-h200-2gpu-fsdp.log"} <= packed(archive)
+
+
+def test_plan_compile_runs_plan_jobs_recipes_at_once(tmp_path: Path) -> None:
+    recipes = [f"recipes/deepseek3-671b-{n}.yml" for n in ("h200-128", "h100-256", "gb200-128")]
+    proc, calls, archive = run_script(tmp_path, "plan_compile_h200.sh", *recipes, PLAN_JOBS="2")
+    assert proc.returncode == 0, proc.stderr
+    times = intervals(tmp_path, lambda line: line.split(" plan ")[1].split()[0].removeprefix("deepseek3-671b-"))
+    assert sorted(times) == ["gb200-128", "h100-256", "h200-128"]
+    first, second, third = (times[n] for n in ("h200-128", "h100-256", "gb200-128"))
+    assert second["start"] < first["end"] and first["start"] < second["end"]  # two at once
+    assert third["start"] >= min(first["end"], second["end"])  # never three
+    assert calls[-1].endswith("plan_compile_table.py " + str(tmp_path / "results" / "plan_compile"))
+    assert {"deepseek3-671b-gb200-128.json", "status.txt"} <= packed(archive)
