@@ -54,6 +54,7 @@ SYMBOLS: tuple[tuple[str, str, str], ...] = (
     ("maxtext", "maxtext.trainers.pre_train.train", "record_activation_metrics"),
     ("maxtext", "maxtext.trainers.pre_train.train_compile", "get_shaped_inputs"),
     ("maxtext", "maxtext.trainers.pre_train.train_compile", "jit_and_compile"),
+    ("maxtext", "maxtext.utils.max_utils", "maybe_get_transformer_engine_context"),
     ("maxtext", "maxtext.utils.maxtext_utils", "create_device_mesh"),
     ("maxtext", "maxtext.utils.maxtext_utils", "get_functional_train_with_signature"),
     ("maxtext", "maxtext.utils.sharding", "maybe_update_params_sharding_with_opt"),

@@ -14,7 +14,10 @@ The gaps, filled here: its `get_topology_mesh` either asks for a TPU topology or
 of TPU/A3-style systems with 8 GPUs per host. We instead turn on JAX's `jax_mock_gpu_topology`
 ("slices x hosts x GPUs per host", GPUs per host = this machine's real count) before the first device
 use, or, without a GPU, run on N XLA:CPU host devices; then build the mesh from `jax.devices()` with
-MaxText's `create_device_mesh`, as `get_topology_mesh` does after choosing its devices.
+MaxText's `create_device_mesh`, as `get_topology_mesh` does after choosing its devices. And MaxText's
+`train.run` traces its step inside `max_utils.maybe_get_transformer_engine_context` (TE's global
+`MeshResource`, which TE's FP8 dense GEMMs need when XLA partitions them) while `train_compile` does not:
+there a recipe with `quantization: te_*` fails in XLA's partitioner. We compile inside that context too.
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ def compile_step(request: dict[str, Any]) -> dict[str, Any]:
     with redirect_stdout(chatter):
         from flax.core.spmd import logical_axis_rules
         from maxtext.trainers.pre_train import train, train_compile
-        from maxtext.utils import maxtext_utils, sharding
+        from maxtext.utils import max_utils, maxtext_utils, sharding
 
         from maxtext_moe.moe.settings import MoeSettings
         from maxtext_moe.upstream import maxtext_config, remat
@@ -97,18 +100,19 @@ def compile_step(request: dict[str, Any]) -> dict[str, Any]:
             train.train_step, data_sharding, input_shardings, model, config, params_shardings
         )
         start = time.monotonic()
-        compiled = train_compile.jit_and_compile(
-            func,
-            args,
-            kwargs,
-            mesh,
-            in_shard,
-            out_shard,
-            static,
-            donate,
-            config,
-            logical_axis_rules(config.logical_axis_rules),
-        )
+        with max_utils.maybe_get_transformer_engine_context(config):
+            compiled = train_compile.jit_and_compile(
+                func,
+                args,
+                kwargs,
+                mesh,
+                in_shard,
+                out_shard,
+                static,
+                donate,
+                config,
+                logical_axis_rules(config.logical_axis_rules),
+            )
         seconds = time.monotonic() - start
     devices = jax.devices()
     return {
