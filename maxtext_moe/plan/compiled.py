@@ -38,8 +38,10 @@ GIB = 2**30
 # device count; beyond this many host devices the compile is refused rather than left to run for hours.
 MAX_CPU_DEVICES = 256
 COMPILE_TIMEOUT_S = 1800
-# What XLA:GPU needs under the mock topology; see the module docstring.
-MOCK_GPU_FLAGS = "--xla_gpu_shard_autotuning=false"
+# What XLA:GPU needs under the mock topology; see the module docstring. Autotuning is off altogether: it
+# times candidate kernels on the real GPU, which would disturb anything else running there, and only picks
+# among kernels; the one-GPU proxy's compiled total with and without it is in docs/PLAN.md.
+MOCK_GPU_FLAGS = "--xla_gpu_shard_autotuning=false --xla_gpu_autotune_level=0"
 # The switches that make a GPU recipe compile on XLA:CPU (see the module docstring).
 CPU_SWITCHES = (
     "topology.hardware=cpu",
@@ -97,6 +99,15 @@ def choose_route(r: ResolvedRecipe, gpus_here: int) -> Route:
                 "the mock topology repeats this machine's GPUs per host.",
                 key="topology",
                 fix=f"compile on a machine whose GPU count divides {n}, or without GPUs (CUDA_VISIBLE_DEVICES='').",
+            )
+        if r.effective("te_moe_block"):
+            raise UserError(
+                "a recipe with TE's MoE block (te_moe_block) cannot be compiled on the mock GPU topology: MaxText "
+                "bootstraps TE's NCCL EP before the step (max_utils.maybe_bootstrap_te_moe), which opens real NCCL "
+                "communicators between real processes.",
+                key="te_moe_block",
+                fix="compile it without GPUs (CUDA_VISIBLE_DEVICES='', the CPU route switches the block off), or "
+                "run one step on the cluster (train RECIPE steps=1).",
             )
         topo = f"1x{n // gpus_here}x{gpus_here}"
         flags = " ".join([r.env.get("XLA_FLAGS", os.environ.get("XLA_FLAGS", "")), MOCK_GPU_FLAGS]).strip()

@@ -47,3 +47,14 @@ def test_local_gpus_are_the_visible_ones(monkeypatch: pytest.MonkeyPatch) -> Non
     assert compiled.local_gpus() == 2
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert compiled.local_gpus() == 0
+
+
+def test_te_moe_block_recipes_are_sent_to_the_cpu_route_not_the_mock_topology() -> None:
+    """MaxText bootstraps TE's NCCL EP before a te_moe_block step; under the mock topology the compile stopped
+    with "TE MoE EP has not been bootstrapped yet" (H200, 2026-12-01). Refused up front with the way round."""
+    published = resolve("deepseek3-671b-published-gb200-128", [])
+    with pytest.raises(UserError, match="NCCL EP") as e:
+        compiled.choose_route(published, gpus_here=1)
+    assert e.value.key == "te_moe_block" and "CUDA_VISIBLE_DEVICES=''" in e.value.fix
+    route = compiled.choose_route(published, gpus_here=0)
+    assert route.name == "cpu" and "te_moe_block=false" in route.overrides
