@@ -19,7 +19,7 @@ from maxtext_moe.data import prepared
 from maxtext_moe.errors import UserError
 from maxtext_moe.moe.settings import MoeSettings
 from maxtext_moe.recipe import guard as guard_section
-from maxtext_moe.recipe import maxtext_keys
+from maxtext_moe.recipe import maxtext_keys, mesh_check
 from maxtext_moe.recipe.composition import Composition, suggest
 from maxtext_moe.recipe.hardware import PROFILES, Hardware
 from maxtext_moe.recipe.resolved import ResolvedRecipe, Topology
@@ -201,53 +201,6 @@ class _Checker:
                     "set te_gmm_quantization: te_no_quant (BF16) or te_mxfp8 (Blackwell).",
                 )
 
-    def mesh(self, topo: Topology) -> None:
-        axes = [
-            k
-            for k, v in maxtext_keys.defaults().items()  # the per-axis sizes, not MaxText's derived list
-            if k.startswith("ici_") and k.endswith("_parallelism") and isinstance(v, int)
-        ]
-        total = topo.num_devices
-        known, fill = 1, []
-        for key in axes:
-            v = self.value(key)
-            if not isinstance(v, int) or isinstance(v, bool) or (v < 1 and v != -1):
-                self.fail(key, f"must be a positive integer or -1, got {v!r}.", "use -1 for 'the rest of the devices'.")
-            if v == -1:
-                fill.append(key)
-            else:
-                known *= v
-        if len(fill) > 1:
-            self.fail(fill[1], f"is -1 and so is {fill[0]}; only one axis may be -1.", "give the others sizes.")
-        sizes = " x ".join(f"{k}={self.value(k)}" for k in axes if self.value(k) != 1) or "all 1"
-        if (fill and total % known) or (not fill and known != total):
-            key = fill[0] if fill else next((k for k in axes if self.value(k) != 1), "ici_fsdp_parallelism")
-            self.fail(
-                key,
-                f"the mesh ({sizes}) does not fit {total} devices ({topo.nodes} node(s) x {topo.gpus_per_node}).",
-                "make the product of the ici_*_parallelism sizes equal the device count, or set one to -1.",
-            )
-        for key in (
-            k
-            for k, v in maxtext_keys.defaults().items()
-            if k.startswith("dcn_") and k.endswith("_parallelism") and isinstance(v, int)
-        ):
-            if self.value(key) not in (1, -1):
-                self.fail(
-                    key,
-                    "is not 1, but on GPUs and CPUs MaxText sees all devices as one slice.",
-                    "put the size in the matching ici_*_parallelism key instead.",
-                )
-        ep = self.value("ici_expert_parallelism")
-        if ep == -1:
-            ep = total // known
-        if self.value("num_experts") % ep:
-            self.fail(
-                "ici_expert_parallelism",
-                f"is {ep}, which does not divide num_experts={self.value('num_experts')}.",
-                "choose an expert-parallel size that divides the number of experts.",
-            )
-
 
 def _moe(comp: Composition, check: _Checker, hw: Hardware) -> MoeSettings:
     """The `moe` section with defaults (`MoeSettings`), and the checks of it against MaxText keys."""
@@ -365,7 +318,7 @@ def resolve(comp: Composition) -> ResolvedRecipe:
             "leave MaxText's hardware key unset; it is derived from topology.hardware.",
         )
     check.hardware_contradictions(hw)
-    check.mesh(topo)
+    mesh_check.check(check.value, check.fail, topo)
     maxtext = dict(check.maxtext, hardware=hw.maxtext_hardware)
     sources = {f"{section}.{k}": v.source for section, values in comp.sections.items() for k, v in values.items()}
     sources["maxtext.hardware"] = f"derived from topology.hardware ({sources.get('topology.hardware')})"

@@ -195,6 +195,21 @@ def test_mesh_must_match_device_count():
     assert compose_resolve(TINY, "topology.gpus_per_node=4", "ici_fsdp_parallelism=-1").topology.num_devices == 4
 
 
+def test_a_mesh_that_cannot_split_a_weight_is_refused_before_compiling():
+    """FSDP128 x EP8 on 1024 GPUs splits DeepSeek-V3's kv_lora_rank (512) 1024 ways: XLA refused it only when
+    compiling the step (found by `plan --compile` of the GB300 recipe); the recipe now repeats FSDP16 x EP8."""
+    gb300 = "deepseek3-671b-gb300-1024"
+    msg = error_of(gb300, "ici_data_parallelism=1")
+    assert (
+        "ici_fsdp_parallelism: splits the weights' kv_lora dimension (kv_lora_rank=512) fsdp 128 x expert 8 = 1024"
+        in msg
+    )
+    assert "Fix: move a factor to data parallelism" in msg
+    assert compose_resolve(gb300).topology.num_devices == 1024
+    msg = error_of(TINY, "topology.gpus_per_node=3", "ici_fsdp_parallelism=3")  # the tiny model's kv_lora_rank is 16
+    assert "splits the weights' kv_lora dimension (kv_lora_rank=16) fsdp 3 = 3 ways" in msg
+
+
 def test_dcn_axes_are_refused_on_gpu():
     msg = error_of(TINY, "dcn_fsdp_parallelism=2")
     assert "dcn_fsdp_parallelism: is not 1, but on GPUs and CPUs MaxText sees all devices as one slice." in msg
