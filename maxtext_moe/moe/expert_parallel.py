@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from maxtext_moe.errors import UserError
-from maxtext_moe.moe import balance
+from maxtext_moe.moe import balance, scopes
 from maxtext_moe.moe.exchange import exchange, transpose
 from maxtext_moe.moe.layer import MoEConfig, Params, check_dropless, gate_logits, shared_expert
 from maxtext_moe.moe.receive import expand_reduce, expert_copies, guard_capacity, receive_rows
@@ -67,28 +67,33 @@ def ep_routed(
     )
 
     def send(rows: jax.Array, pad: float) -> jax.Array:
-        return ex(rows, plan.send_offsets, send_sizes, out_offsets, recv_sizes, rows=capacity, pad=pad)
+        with jax.named_scope(scopes.EXCHANGE):
+            return ex(rows, plan.send_offsets, send_sizes, out_offsets, recv_sizes, rows=capacity, pad=pad)
 
     recv_x = send(x[plan.row_token], 0)
     copies_cap = expert_copies(plan, x.shape[0], factor)
-    y_recv, copies = expand_reduce(
-        recv_x, send(plan.row_experts, -1), send(plan.row_weights, 0), experts, path, copies_cap
-    )
+    with jax.named_scope(scopes.PERMUTE):  # expert_mlp inside names its own scope
+        y_recv, copies = expand_reduce(
+            recv_x, send(plan.row_experts, -1), send(plan.row_weights, 0), experts, path, copies_cap
+        )
     if copies_cap is not None and copies_cap < capacity * plan.row_experts.shape[1]:
         guard_capacity(jax.lax.pmax(copies, axis), copies_cap, factor, "(token, expert) copies")
     computed = jax.lax.psum(copies, axis)
     if check:
         expected = x.shape[0] * plan.top_k * ranks
         check_dropless(computed, expected, "the expert ranks together", scope="EP")
-    back = ex(
-        y_recv.astype(x.dtype),
-        recv_offsets,
-        recv_sizes,
-        transpose(plan.send_offsets, axis),
-        send_sizes,
-        rows=plan.row_token.shape[0],
-    )
-    return jax.ops.segment_sum(back.astype(jnp.float32), plan.row_token, num_segments=x.shape[0]), computed
+    with jax.named_scope(scopes.EXCHANGE):
+        back = ex(
+            y_recv.astype(x.dtype),
+            recv_offsets,
+            recv_sizes,
+            transpose(plan.send_offsets, axis),
+            send_sizes,
+            rows=plan.row_token.shape[0],
+        )
+    with jax.named_scope(scopes.UNPERMUTE):
+        routed = jax.ops.segment_sum(back.astype(jnp.float32), plan.row_token, num_segments=x.shape[0])
+    return routed, computed
 
 
 def _rank_routed(
@@ -98,10 +103,11 @@ def _rank_routed(
     (float32 output shaped like `x`, expert ids and weights [..., k], the (token, expert) copies the ranks
     did not compute [1], the same on every rank of the group)."""
     tokens = x.reshape(-1, cfg.emb_dim)
-    routing = route(gate_logits(tokens, gate["kernel"]), gate["bias"], cfg.routing)
-    plan = plan_dispatch(
-        routing.indices, routing.weights, cfg.routing.num_experts, ranks, dedup=path.dedup, check=cfg.check_dropless
-    )
+    with jax.named_scope(scopes.ROUTING):
+        routing = route(gate_logits(tokens, gate["kernel"]), gate["bias"], cfg.routing)
+        plan = plan_dispatch(
+            routing.indices, routing.weights, cfg.routing.num_experts, ranks, dedup=path.dedup, check=cfg.check_dropless
+        )
     routed, computed = ep_routed(tokens, plan, experts, path, check=cfg.check_dropless)
     lost = balance.dropped(tokens.shape[0] * cfg.routing.top_k * ranks, computed)
     lead = x.shape[:-1]

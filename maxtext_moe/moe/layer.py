@@ -25,7 +25,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from maxtext_moe.errors import UserError
-from maxtext_moe.moe import balance
+from maxtext_moe.moe import balance, scopes
 from maxtext_moe.moe.align import take_rows
 from maxtext_moe.moe.gemm import grouped_matmul
 from maxtext_moe.moe.routing import Routing, RoutingConfig, route
@@ -135,10 +135,11 @@ def expert_mlp(
     gmm = functools.partial(
         grouped_matmul, group_sizes=group_sizes, backend=path.backend, fp8=path.fp8, partial=partial
     )
-    h0 = checkpoint_name(checkpoint_name(gmm(x_sorted, experts["wi_0"]), "mlpwi_0"), "moe_mlpwi_0")
-    h1 = checkpoint_name(checkpoint_name(gmm(x_sorted, experts["wi_1"]), "mlpwi_1"), "moe_mlpwi_1")
-    act = (jax.nn.silu(h0.astype(jnp.float32)) * h1.astype(jnp.float32)).astype(x_sorted.dtype)
-    return checkpoint_name(checkpoint_name(gmm(act, experts["wo"]), "mlpwo"), "moe_mlpwo")
+    with jax.named_scope(scopes.EXPERTS):
+        h0 = checkpoint_name(checkpoint_name(gmm(x_sorted, experts["wi_0"]), "mlpwi_0"), "moe_mlpwi_0")
+        h1 = checkpoint_name(checkpoint_name(gmm(x_sorted, experts["wi_1"]), "mlpwi_1"), "moe_mlpwi_1")
+        act = (jax.nn.silu(h0.astype(jnp.float32)) * h1.astype(jnp.float32)).astype(x_sorted.dtype)
+        return checkpoint_name(checkpoint_name(gmm(act, experts["wo"]), "mlpwo"), "moe_mlpwo")
 
 
 def routed_experts(
@@ -150,13 +151,16 @@ def routed_experts(
     `p` is MaxText's `MoeBlock_0` subtree.
     """
     k = cfg.routing.top_k
-    routing = route(gate_logits(tokens, p["gate"]["kernel"]), p["gate"]["bias"], cfg.routing)
-    order, inverse, group_sizes = sort_by_expert(routing.indices, cfg.routing.num_experts, cfg.check_dropless)
-
-    x_sorted = take_rows(jnp.repeat(tokens, k, axis=0), order, inverse, False)
+    with jax.named_scope(scopes.ROUTING):
+        routing = route(gate_logits(tokens, p["gate"]["kernel"]), p["gate"]["bias"], cfg.routing)
+        order, inverse, group_sizes = sort_by_expert(routing.indices, cfg.routing.num_experts, cfg.check_dropless)
+    with jax.named_scope(scopes.PERMUTE):
+        x_sorted = take_rows(jnp.repeat(tokens, k, axis=0), order, inverse, False)
     out_sorted = expert_mlp(x_sorted, p, group_sizes, path)
-    out = take_rows(out_sorted, inverse, order, False).reshape(-1, k, cfg.emb_dim)
-    routed = jnp.einsum("tkd,tk->td", out, routing.weights.astype(tokens.dtype), preferred_element_type=jnp.float32)
+    with jax.named_scope(scopes.UNPERMUTE):
+        out = take_rows(out_sorted, inverse, order, False).reshape(-1, k, cfg.emb_dim)
+        weights = routing.weights.astype(tokens.dtype)
+        routed = jnp.einsum("tkd,tk->td", out, weights, preferred_element_type=jnp.float32)
     return routed, routing._replace(dropped=balance.dropped(x_sorted.shape[0], jnp.sum(group_sizes)))
 
 

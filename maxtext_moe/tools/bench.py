@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from maxtext_moe.errors import UserError
+from maxtext_moe.plan.flops import Flops
 from maxtext_moe.recipe.resolved import ResolvedRecipe
 from maxtext_moe.run import train
 from maxtext_moe.run.progress import read_metrics
@@ -93,11 +94,7 @@ class BenchResult:
         ]
         if self.profile:
             rows.append(("profile (warm-up)", f"{self.profile['trace']}"))
-            total, traced = self.profile["total_ms"], len(PROFILED_STEPS)
-            rows += [
-                (f"  {name}", f"{ms / traced:.1f} ms/step ({ms / total:.1%} of kernel time)")
-                for name, ms in self.profile["categories"]
-            ]
+            rows += profile_rows(self.profile)
             rows += [
                 (f"  busy {p['plane']}", f"{p['busy_ms'] / p['span_ms']:.0%} of the traced span")
                 for p in self.profile.get("per_plane", [])
@@ -105,6 +102,31 @@ class BenchResult:
             ]
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+
+
+def profile_rows(profile: dict[str, Any]) -> list[tuple[str, str]]:
+    """Per traced step: each stage's time, share and (GEMM stages) achieved TFLOP/s against the matmul
+    rate, or the kernel categories where the step's HLO was not at hand."""
+    traced, stages = len(PROFILED_STEPS), profile.get("stages") or []
+    if not stages:
+        total = profile["total_ms"]
+        return [
+            (f"  {n}", f"{ms / traced:.1f} ms/step ({ms / total:.1%} of kernel time)")
+            for n, ms in profile["categories"]
+        ]
+    whole, tflop, rate = (
+        sum(ms for _, ms in stages),
+        profile.get("stage_tflop_per_step", {}),
+        profile.get("matmul_tflops"),
+    )
+    rows = []
+    for name, ms in stages:
+        text = f"{ms / traced:.1f} ms/step ({ms / whole:.1%} of the step's device time)"
+        if name in tflop and ms:
+            achieved = tflop[name] / (ms / traced / 1e3)
+            text += f", {achieved:.3g} TFLOP/s" + (f" ({achieved / rate:.0%} of the matmul rate)" if rate else "")
+        rows.append((f"  {name}", text))
+    return rows
 
 
 def _peak_device_memory_gib() -> float | None:
@@ -157,7 +179,12 @@ def run(
         run_name=f"{resolved.maxtext.get('run_name') or resolved.name}-bench",
         **traced,
     )
-    bench_recipe = ResolvedRecipe(**{**resolved.__dict__, "maxtext": maxtext})
+    env = dict(resolved.env)
+    if profile:  # the step's optimized HLO, for the profile's split by stage (tools/profile.py)
+        hlo = train.run_paths(ResolvedRecipe(**{**resolved.__dict__, "maxtext": maxtext})).run / "hlo"
+        dump = f"--xla_dump_to={hlo} --xla_dump_hlo_module_re=jit_train_step --xla_dump_hlo_as_text"
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {dump}".strip()
+    bench_recipe = ResolvedRecipe(**{**resolved.__dict__, "maxtext": maxtext, "env": env})
     hw = resolved.topology.profile
     # The planner's step time needs a device peak; on the CPU only its FLOPs count applies.
     predicted = plan.estimate(bench_recipe) if hw.peak_bf16_tflops else None
@@ -211,8 +238,27 @@ def run(
         settings=maxtext,
         moe=resolved.moe,
         attention=resolved.attention,
-        profile=traces.summarize(traces.find_trace(train.run_paths(bench_recipe).run), top=25) if profile else None,
+        profile=_profile(bench_recipe, flops, tokens / devices) if profile else None,
     )
+
+
+def _profile(bench_recipe: ResolvedRecipe, flops: Flops, tokens_per_gpu: float) -> dict[str, Any]:
+    """The trace's summary, with the model FLOPs of each GEMM stage per GPU and step (the planner's
+    convention: recomputation not counted) and the matmul rate to hold their achieved rates against."""
+    from maxtext_moe.plan.estimate import DENSE_GEMM_EFFICIENCY
+
+    run = train.run_paths(bench_recipe).run
+    summary = traces.summarize(traces.find_trace(run), top=25, hlo=traces.find_hlo(run))
+    per_step = {
+        "expert GEMMs": flops.grouped_gemm,
+        "dense GEMMs": flops.gemm,
+        "attention forward": flops.core / 3,  # the backward pass does twice the forward's work
+        "attention backward": 2 * flops.core / 3,
+    }
+    peak = bench_recipe.topology.profile.peak_bf16_tflops
+    summary["stage_tflop_per_step"] = {k: v * tokens_per_gpu / 1e12 for k, v in per_step.items()}
+    summary["matmul_tflops"] = DENSE_GEMM_EFFICIENCY * peak if peak else None
+    return summary
 
 
 def write_json(result: BenchResult, path: Path) -> None:

@@ -8,7 +8,13 @@ events of each GPU plane (on a CPU-only trace: the XLA op events of the host thr
 Events are summed per stream, so kernels that overlap on different streams both count: the total can
 exceed the wall span, which is also printed.
 
-    python -m maxtext_moe.tools.profile runs/RUN/tensorboard --top 25 --out summary.json
+With the step's optimized HLO beside the trace (`bench --profile` dumps it to RUN/hlo), each kernel's HLO
+op is looked up for its `op_name`, the JAX name stack, and the time is also split by what the step does
+(`stage`): expert GEMMs, attention forward and backward, dense GEMMs, the MoE block's routing and row
+shuffles (its named scopes, `moe/scopes.py`), quantization, the optimizer update (ops outside the
+differentiated model), communication, and idle time on the device.
+
+    python -m maxtext_moe.tools.profile runs/RUN --top 25 --out summary.json
 """
 
 from __future__ import annotations
@@ -16,11 +22,13 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
 from maxtext_moe.errors import UserError
+from maxtext_moe.moe import scopes
 
 # Checked in order; the first that matches the lower-cased kernel name or HLO op wins.
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -30,6 +38,56 @@ CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("GEMM (cuBLAS/XLA dot)", ("gemm", "cublas", "cutlass", "nvjet", "xmma", "matmul", "dot")),
     ("copy/memset", ("memcpy", "memset", "copy")),
 )
+
+
+# What the step does, checked in order against the kernel name, its HLO op and that op's name stack.
+STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("communication", ("nccl", "all-gather", "all-reduce", "reduce-scatter", "all-to-all", scopes.EXCHANGE)),
+    ("quantize/dequantize", ("quantize", "cast_transpose", "amax", "convert_fp8")),
+    ("expert GEMMs", ("grouped_gemm", "ragged_dot", "gmm", "grouped")),
+    ("attention", ("cudnn", "fmha", "flash", "sdpa", "dot_product_attention")),
+    ("routing, permute, unpermute", (scopes.ROUTING, scopes.PERMUTE, scopes.UNPERMUTE)),
+    ("dense GEMMs", ("gemm", "cublas", "cutlass", "nvjet", "xmma", "matmul", "dot_general", "dot.")),
+    ("copy/memset", ("memcpy", "memset")),
+)
+BACKWARD = ("bprop", "bwd", "backward", "dgrad", "wgrad")
+_OP_NAME = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?metadata=\{[^}]*op_name="([^"]*)"')
+
+
+def op_names(hlo: Path) -> dict[str, str]:
+    """HLO instruction name -> its `op_name` (JAX's name stack) in an optimized-HLO text dump."""
+    names: dict[str, str] = {}
+    with hlo.open(encoding="utf-8", errors="replace") as f:
+        for line in f:
+            m = _OP_NAME.match(line)
+            if m:
+                names.setdefault(m.group(1), m.group(2))
+    return names
+
+
+def find_hlo(run: Path) -> Path | None:
+    """The largest optimized train-step HLO under RUN/hlo (what `bench --profile` dumps), if any."""
+    dumps = list((run / "hlo").glob("*train_step*after_optimizations.txt")) if (run / "hlo").is_dir() else []
+    return max(dumps, key=lambda p: p.stat().st_size) if dumps else None
+
+
+def stage(kernel: str, hlo_op: str, op_name: str) -> str:
+    """What the step was doing in a kernel. Outside any jvp/transpose of the model means after the gradient:
+    the optimizer update (and the gradient norm)."""
+    text = f"{kernel} {hlo_op} {op_name}".lower()
+    name = next((n for n, keys in STAGES if any(k in text for k in keys)), "")
+    if name == "attention":
+        backward = (
+            any(k in text for k in BACKWARD) or op_name.split("/")[1:2] == ["transpose"] or "transpose(" in op_name
+        )
+        return "attention backward" if backward else "attention forward"
+    if name == "dense GEMMs" and scopes.EXPERTS in op_name:  # a grouped GEMM lowered to dots (ragged_dot on CPU)
+        return "expert GEMMs"
+    if name:
+        return name
+    if op_name and "jvp(" not in op_name and "transpose(" not in op_name:
+        return "optimizer"
+    return "other (norms, activations, elementwise)"
 
 
 def find_trace(path: Path) -> Path:
@@ -62,9 +120,12 @@ def busy_ns(intervals: list[tuple[int, int]]) -> int:
     return covered
 
 
-def summarize(trace: Path, top: int) -> dict[str, Any]:
+def summarize(trace: Path, top: int, hlo: Path | None = None) -> dict[str, Any]:
+    """Kernel time by category, kernel and HLO op; with `hlo` (the step's optimized HLO text) also by
+    `stage` of the step, and the device's idle time inside the traced span."""
     from jax.profiler import ProfileData
 
+    names = op_names(hlo) if hlo else {}
     data = ProfileData.from_file(str(trace))
     planes = [p for p in data.planes if p.name.startswith("/device:GPU")]
     source = "GPU kernels"
@@ -73,6 +134,7 @@ def summarize(trace: Path, top: int) -> dict[str, Any]:
     by_kernel: collections.Counter[str] = collections.Counter()
     by_op: collections.Counter[str] = collections.Counter()
     by_cat: collections.Counter[str] = collections.Counter()
+    by_stage: collections.Counter[str] = collections.Counter()
     first, last = float("inf"), 0.0
     per_plane = []
     for plane in planes:
@@ -87,6 +149,8 @@ def summarize(trace: Path, top: int) -> dict[str, Any]:
                 by_kernel[ev.name] += ms
                 by_op[op or "(no hlo_op)"] += ms
                 by_cat[category(ev.name, op)] += ms
+                if names:
+                    by_stage[stage(ev.name, op, names.get(op, ""))] += ms
                 spans.append((ev.start_ns, ev.start_ns + ev.duration_ns))
         if spans:
             first, last = min(first, min(s for s, _ in spans)), max(last, max(e for _, e in spans))
@@ -110,9 +174,17 @@ def summarize(trace: Path, top: int) -> dict[str, Any]:
         "wall_span_ms": (last - first) / 1e6,
         "per_plane": per_plane,
         "categories": by_cat.most_common(),
+        "hlo": str(hlo) if hlo else None,
+        "stages": _with_idle(by_stage, per_plane) if names else [],
         "kernels": by_kernel.most_common(top),
         "hlo_ops": by_op.most_common(top),
     }
+
+
+def _with_idle(by_stage: collections.Counter[str], per_plane: list[dict[str, Any]]) -> list[tuple[str, float]]:
+    """Stages by time, then the device's idle time inside its traced span (summed over the planes)."""
+    idle = sum(p["span_ms"] - p["busy_ms"] for p in per_plane)
+    return [*by_stage.most_common(), ("idle (no kernel running)", idle)]
 
 
 def render(s: dict[str, Any]) -> str:
@@ -127,9 +199,16 @@ def render(s: dict[str, Any]) -> str:
         if p["span_ms"]
     ]
     lines.append("")
-    for title, rows in (("category", s["categories"]), ("kernel", s["kernels"]), ("HLO op", s["hlo_ops"])):
+    stages = s.get("stages") or []
+    tables = (("stage (share of kernel time + idle)", stages, sum(ms for _, ms in stages)),) if stages else ()
+    for title, rows, whole in (
+        *tables,
+        ("category", s["categories"], s["total_ms"]),
+        ("kernel", s["kernels"], s["total_ms"]),
+        ("HLO op", s["hlo_ops"], s["total_ms"]),
+    ):
         lines.append(f"{'ms':>10} {'share':>6}  {title}")
-        lines += [f"{ms:>10.2f} {ms / s['total_ms']:>6.1%}  {name[:110]}" for name, ms in rows]
+        lines += [f"{ms:>10.2f} {ms / whole:>6.1%}  {name[:110]}" for name, ms in rows]
         lines.append("")
     return "\n".join(lines)
 
@@ -139,8 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("path", type=Path, help="an .xplane.pb file or a folder holding one (newest wins)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", type=Path, help="also write the summary as JSON")
+    ap.add_argument("--hlo", type=Path, help="the step's optimized HLO text (default: RUN/hlo, as bench dumps it)")
     a = ap.parse_args(argv)
-    summary = summarize(find_trace(a.path), a.top)
+    trace = find_trace(a.path)
+    hlo = a.hlo or next((h for d in (a.path, *a.path.parents) if d.is_dir() and (h := find_hlo(d))), None)
+    summary = summarize(trace, a.top, hlo)
     print(render(summary))
     if a.out:
         a.out.write_text(json.dumps(summary, indent=1))

@@ -52,7 +52,11 @@ def test_bench_reports_the_timed_steps(tmp_path):
     assert prof["source"].startswith("host XLA ops") and len(prof["kernels"]) == 25
     categories = dict(prof["categories"])
     assert categories["GEMM (cuBLAS/XLA dot)"] > 0 and sum(categories.values()) == pytest.approx(prof["total_ms"])
-    assert "profile (warm-up)" in r.stdout and "ms/step" in r.stdout
+    assert "profile (warm-up)" in r.stdout and "of the step's device time" in r.stdout
+    stages = dict(prof["stages"])  # from the step's HLO, which --profile dumps beside the trace
+    assert stages["dense GEMMs"] > 0 and stages["optimizer"] > 0 and stages["idle (no kernel running)"] >= 0
+    assert "routing, permute, unpermute" not in stages  # MaxText's block names no stages of its own
+    assert prof["stage_tflop_per_step"]["dense GEMMs"] > 0 and prof["hlo"].endswith("after_optimizations.txt")
     assert "  busy /host:CPU" in r.stdout
     for plane in prof["per_plane"]:
         assert 0 < plane["busy_ms"] <= min(plane["kernel_ms"], plane["span_ms"]) + 1e-6
