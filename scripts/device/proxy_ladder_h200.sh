@@ -3,16 +3,19 @@
 # rungs at once as the machine has GPUs (one process per GPU, pinned with CUDA_VISIBLE_DEVICES; a rung
 # never shares its GPU). A rung may carry bench options too: `--profile` adds where the device time of
 # two warm-up steps went. Logs and JSON: $OUT/results.tgz.
-# Usage there: bash scripts/device/proxy_ladder_h200.sh STEPS ["NAME key=value ..." ...]
+# A rung named NAME@DIR runs the maxtext_moe of the source tree DIR (an older commit carried in .device, say,
+# to measure a change against its parent in one call).
+# Usage there: bash scripts/device/proxy_ladder_h200.sh STEPS ["NAME[@DIR] key=value ..." ...]
 # (no rungs given: the first call's three, upstream tokamax with cuDNN attention through JAX, then TE, then FP8)
 set -uo pipefail
 steps=${1:-8}; shift || true
 source scripts/device/common.sh
 python3 -m maxtext_moe doctor deepseek3-proxy-h200-1gpu 2>&1 | tee -a "$W/gpu.txt"
 RUNG_TIMEOUT=${RUNG_TIMEOUT:-280}
-rung() {  # gpu, name, then overrides; writes NAME.json, NAME.log and NAME.summary
-  local gpu=$1 name=$2 t0=$SECONDS; shift 2
-  CUDA_VISIBLE_DEVICES=$gpu timeout -k 10 "$RUNG_TIMEOUT" python3 -m maxtext_moe bench deepseek3-proxy-h200-1gpu \
+rung() {  # gpu, name[@tree], then overrides; writes NAME.json, NAME.log and NAME.summary
+  local gpu=$1 name=${2%@*} tree=$PWD t0=$SECONDS; [ "$2" = "$name" ] || tree=$(cd "${2#*@}" && pwd) || return; shift 2
+  CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH="$tree:$PWD/.device/xprof-stub" timeout -k 10 "$RUNG_TIMEOUT" \
+    python3 -m maxtext_moe bench deepseek3-proxy-h200-1gpu \
     --steps "$steps" --warmup 3 --out "$W/$name.json" base_output_directory="/tmp/runs/$name" "$@" > "$W/$name.log" 2>&1
   local rc=$?
   { echo "=== $name (GPU $gpu, $((SECONDS - t0)) s wall): $* rc=$rc"
@@ -30,7 +33,7 @@ while [ $# -gt 0 ]; do
   for ((g = 0; g < gpus && $# > 0; g++)); do
     # shellcheck disable=SC2086  # a spec is a name followed by space-separated overrides
     rung "$g" $1 &
-    names+=("${1%% *}"); shift
+    spec=${1%% *}; names+=("${spec%@*}"); shift
   done
   wait
   for n in "${names[@]}"; do cat "$W/$n.summary"; done

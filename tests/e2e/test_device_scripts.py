@@ -18,6 +18,7 @@ if [ "$1" = -L ]; then echo "GPU 0: NVIDIA H200"; echo "GPU 1: NVIDIA H200"; els
 # Logs each call with the variables the scripts set; `bench` also logs when it starts and ends (1 s later).
 FAKE_PYTHON = """#!/bin/bash
 echo "CVD=${CUDA_VISIBLE_DEVICES-unset} PID=${JAX_PROCESS_ID-unset} N=${JAX_NUM_PROCESSES-unset} $*" >> "$CALLS"
+echo "${PYTHONPATH%%:*} $*" >> "$CALLS.pythonpath"
 case "$*" in
   *" bench "*) echo "start $(date +%s.%N) $*" >> "$CALLS.times"; sleep 1
                echo "end $(date +%s.%N) $*" >> "$CALLS.times"
@@ -89,6 +90,16 @@ def test_ladder_runs_one_rung_per_gpu_side_by_side(tmp_path: Path) -> None:
     times = intervals(tmp_path, rung_name)
     assert times["b"]["start"] < times["a"]["end"] and times["a"]["start"] < times["b"]["end"]  # side by side
     assert times["c"]["start"] >= max(times["a"]["end"], times["b"]["end"])  # the next round waits for both
+
+
+def test_a_ladder_rung_can_run_another_source_tree(tmp_path: Path) -> None:
+    """NAME@DIR: the rung's maxtext_moe comes from DIR (an older commit carried in .device, for an A/B)."""
+    proc, calls, archive = run_script(tmp_path, "proxy_ladder_h200.sh", "6", "now x=1", "base@maxtext_moe x=1")
+    assert proc.returncode == 0, proc.stderr
+    lines = (tmp_path / "calls.txt.pythonpath").read_text().splitlines()
+    paths = {rung_name(line): line.split()[0] for line in lines if " bench " in line}
+    assert paths == {"now": str(REPO), "base": str(REPO / "maxtext_moe")}
+    assert {"now.summary", "base.summary"} <= packed(archive)
 
 
 def test_two_gpu_runs_start_one_process_per_gpu_or_one_for_both(tmp_path: Path) -> None:
