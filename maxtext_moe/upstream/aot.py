@@ -15,9 +15,10 @@ of TPU/A3-style systems with 8 GPUs per host. We instead turn on JAX's `jax_mock
 ("slices x hosts x GPUs per host", GPUs per host = this machine's real count) before the first device
 use, or, without a GPU, run on N XLA:CPU host devices; then build the mesh from `jax.devices()` with
 MaxText's `create_device_mesh`, as `get_topology_mesh` does after choosing its devices. And MaxText's
-`train.run` traces its step inside `max_utils.maybe_get_transformer_engine_context` (TE's global
-`MeshResource`, which TE's FP8 dense GEMMs need when XLA partitions them) while `train_compile` does not:
-there a recipe with `quantization: te_*` fails in XLA's partitioner. We compile inside that context too.
+`train.run` runs its step inside `max_utils.maybe_get_transformer_engine_context` (TE's global
+`MeshResource`) and under the mesh, while `train_compile.jit_and_compile` calls `compile()` outside both:
+TE's FP8 dense GEMMs, partitioned during `compile()`, then find no mesh resource or an empty mesh. We
+compile inside both, and report the error that context hides (`maxtext_errors`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from __future__ import annotations
 import io
 import json
 import sys
-from contextlib import redirect_stdout
+from collections.abc import Iterator
+from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +66,20 @@ def memory_fields(analysis: Any) -> dict[str, int]:
     }
 
 
+@contextmanager
+def _te_context(config: Any) -> Iterator[None]:
+    """MaxText's TE context, raising the error it would turn into a re-yield."""
+    from maxtext.utils import max_utils
+
+    from maxtext_moe.upstream import maxtext_errors
+
+    try:
+        with max_utils.maybe_get_transformer_engine_context(config):
+            yield
+    except RuntimeError as e:
+        raise maxtext_errors.underlying(e) from None
+
+
 def compile_step(request: dict[str, Any]) -> dict[str, Any]:
     """Lower and compile the training step that `train` would run for `request`; return XLA's figures."""
     import time
@@ -76,7 +92,7 @@ def compile_step(request: dict[str, Any]) -> dict[str, Any]:
     with redirect_stdout(chatter):
         from flax.core.spmd import logical_axis_rules
         from maxtext.trainers.pre_train import train, train_compile
-        from maxtext.utils import max_utils, maxtext_utils, sharding
+        from maxtext.utils import maxtext_utils, sharding
 
         from maxtext_moe.moe.settings import MoeSettings
         from maxtext_moe.upstream import maxtext_config, remat
@@ -100,7 +116,7 @@ def compile_step(request: dict[str, Any]) -> dict[str, Any]:
             train.train_step, data_sharding, input_shardings, model, config, params_shardings
         )
         start = time.monotonic()
-        with max_utils.maybe_get_transformer_engine_context(config):
+        with _te_context(config), jax.set_mesh(mesh):
             compiled = train_compile.jit_and_compile(
                 func,
                 args,

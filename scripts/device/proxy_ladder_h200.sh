@@ -14,7 +14,7 @@ python3 -m maxtext_moe doctor deepseek3-proxy-h200-1gpu 2>&1 | tee -a "$W/gpu.tx
 RUNG_TIMEOUT=${RUNG_TIMEOUT:-280}
 rung() {  # gpu, name[@tree], then overrides; writes NAME.json, NAME.log and NAME.summary
   local gpu=$1 name=${2%@*} tree=$PWD t0=$SECONDS; [ "$2" = "$name" ] || tree=$(cd "${2#*@}" && pwd) || return; shift 2
-  CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH="$tree:$PWD/.device/xprof-stub" timeout -k 10 "$RUNG_TIMEOUT" \
+  CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH="$tree:$PYTHONPATH" timeout -k 10 "$RUNG_TIMEOUT" \
     python3 -m maxtext_moe bench deepseek3-proxy-h200-1gpu \
     --steps "$steps" --warmup 3 --out "$W/$name.json" base_output_directory="/tmp/runs/$name" "$@" > "$W/$name.log" 2>&1
   local rc=$?
