@@ -94,7 +94,7 @@ class BenchResult:
         ]
         if self.profile:
             rows.append(("profile (warm-up)", f"{self.profile['trace']}"))
-            rows += profile_rows(self.profile)
+            rows += profile_rows(self.profile, self.step_s_median)
             rows += [
                 (f"  busy {p['plane']}", f"{p['busy_ms'] / p['span_ms']:.0%} of the traced span")
                 for p in self.profile.get("per_plane", [])
@@ -104,9 +104,10 @@ class BenchResult:
         return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
 
 
-def profile_rows(profile: dict[str, Any]) -> list[tuple[str, str]]:
-    """Per traced step: each stage's time, share and (GEMM stages) achieved TFLOP/s against the matmul
-    rate, or the kernel categories where the step's HLO was not at hand."""
+def profile_rows(profile: dict[str, Any], step_s: float) -> list[tuple[str, str]]:
+    """Per traced step: each stage's time, its share of the median step `step_s` and (GEMM stages) achieved
+    TFLOP/s against the matmul rate, then the step time no kernel covered; or the kernel categories
+    where the step's HLO was not at hand."""
     traced, stages = len(PROFILED_STEPS), profile.get("stages") or []
     if not stages:
         total = profile["total_ms"]
@@ -114,14 +115,13 @@ def profile_rows(profile: dict[str, Any]) -> list[tuple[str, str]]:
             (f"  {n}", f"{ms / traced:.1f} ms/step ({ms / total:.1%} of kernel time)")
             for n, ms in profile["categories"]
         ]
-    whole, tflop, rate = (
-        sum(ms for _, ms in stages),
-        profile.get("stage_tflop_per_step", {}),
-        profile.get("matmul_tflops"),
-    )
+    step_ms = 1e3 * step_s
+    busy = sum(p["busy_ms"] for p in profile["per_plane"]) / traced
+    stages = [*stages, ("idle (step time with no kernel running)", max(0.0, step_ms - busy) * traced)]
+    tflop, rate = profile.get("stage_tflop_per_step", {}), profile.get("matmul_tflops")
     rows = []
     for name, ms in stages:
-        text = f"{ms / traced:.1f} ms/step ({ms / whole:.1%} of the step's device time)"
+        text = f"{ms / traced:.1f} ms/step ({ms / traced / step_ms:.1%} of the median step)"
         if name in tflop and ms:
             achieved = tflop[name] / (ms / traced / 1e3)
             text += f", {achieved:.3g} TFLOP/s" + (f" ({achieved / rate:.0%} of the matmul rate)" if rate else "")
@@ -138,6 +138,8 @@ def _peak_device_memory_gib() -> float | None:
 
 
 PROFILED_STEPS = (1, 2)  # warm-up steps after the compiling one: the timed steps stay untraced
+# With --profile, one more untimed step: MaxText stops the profiler (and writes the trace) at the start of
+# the step after the traced ones, which took 27 s on an H200 (2026-12-01) and would be a timed step's.
 
 
 def run(
@@ -162,6 +164,7 @@ def run(
             f"{PROFILED_STEPS[-1] + 1} or more warm-up steps, got {warmup}.",
             fix="use --warmup 3 or more.",
         )
+    warmup += 1 if profile else 0
     total = warmup + steps
     traced = (
         dict(profiler="xplane", skip_first_n_steps_for_profiler=PROFILED_STEPS[0], profiler_steps=len(PROFILED_STEPS))
