@@ -4,10 +4,9 @@
 # tests/e2e/test_container.py.
 #
 # Base (BASE_IMAGE): NGC JAX for its CUDA 13 toolkit and headers (Transformer Engine's JAX extension is a source
-# build that needs them), Python 3.12 on Ubuntu 24.04, the driver-compatibility libraries and the NCCL network
-# plugins. Its own JAX, TE and NCCL are NOT used: the venv below pins jax 0.11.2, transformer-engine[jax] 2.20.2
-# and nvidia-nccl-cu13, the versions the recipes were checked against (docs/CLUSTER.md says why, and which public
-# sources name the default tag).
+# build that needs them), Python 3.12 (3.12.3 in 26.07) and the driver-compatibility libraries. Its own JAX, TE
+# and NCCL are NOT used: the venv below pins jax 0.11.2, transformer-engine[jax] 2.20.2 and nvidia-nccl-cu13, the
+# versions the recipes were checked against (docs/CLUSTER.md says why, and which public sources name the default).
 ARG BASE_IMAGE=nvcr.io/nvidia/jax:26.07-py3
 FROM ${BASE_IMAGE}
 ARG BASE_IMAGE
