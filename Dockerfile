@@ -1,14 +1,21 @@
 # maxtext-moe on NVIDIA GPUs: build with scripts/build_container.sh, run on SLURM (pyxis/enroot) or Kubernetes
 # (docs/CLUSTER.md). The Python environment is the one scripts/setup.sh builds on a laptop (requirements/cpu.lock,
 # the project itself) plus the `gpu` extra pinned in pyproject.toml: one source of truth, tested by
-# tests/test_container.py.
+# tests/e2e/test_container.py.
 #
-# Base: NGC JAX 26.10 for its CUDA 13 toolkit and headers (Transformer Engine's JAX extension is a source build
-# that needs them), cuDNN, NCCL and the driver-compatibility libraries. Its own jax/TE builds are NOT used: the
-# venv below pins jax 0.11.2 (+ CUDA 13 plugin) and transformer-engine[jax] 2.20.2, which is what the recipes
-# were checked against. NCCL comes from the nvidia-nccl-cu13 wheel jax[cuda13] pulls in; TE's NCCL EP needs
-# >= 2.30.4 - run `maxtext-moe doctor RECIPE` inside the image on a GPU node to see versions and gaps.
-FROM nvcr.io/nvidia/jax:26.10-py3
+# Base (BASE_IMAGE): NGC JAX for its CUDA 13 toolkit and headers (Transformer Engine's JAX extension is a source
+# build that needs them), Python 3.12 (3.12.3 in 26.07) and the driver-compatibility libraries. Its own JAX, TE
+# and NCCL are NOT used: the venv below pins jax 0.11.2, transformer-engine[jax] 2.20.2 and nvidia-nccl-cu13, the
+# versions the recipes were checked against (docs/CLUSTER.md says why, and which public sources name the default).
+ARG BASE_IMAGE=nvcr.io/nvidia/jax:26.07-py3
+FROM ${BASE_IMAGE}
+ARG BASE_IMAGE
+# NCCL_VERSION is the nvidia-nccl-cu13 pin of pyproject.toml's gpu extra (TE's NCCL EP needs >= 2.30.4); the check
+# after the install fails the build when the venv's NCCL differs from it.
+ARG NCCL_VERSION=2.30.7
+ARG NCCL_LIB=/opt/venv/lib/python3.12/site-packages/nvidia/nccl/lib/libnccl.so.2
+LABEL org.opencontainers.image.base.name="${BASE_IMAGE}" \
+      maxtext-moe.nccl="${NCCL_VERSION}"
 
 # python3.12-venv: scripts/setup.sh creates a venv; its version follows the base image's Ubuntu release.
 # hadolint ignore=DL3008
@@ -32,10 +39,19 @@ COPY configs/ configs/
 RUN scripts/setup.sh \
     && /opt/venv/bin/python -m pip install --disable-pip-version-check -e ".[gpu]"
 
+# What `maxtext-moe doctor` will report inside the image is the pinned NCCL, at NCCL_LIB (no GPU needed to ask).
+RUN test -f "$NCCL_LIB" \
+    && /opt/venv/bin/maxtext-moe doctor --json > /tmp/doctor.json \
+    && /opt/venv/bin/python -c "import json, sys; got = '.'.join(map(str, json.load(open('/tmp/doctor.json'))['machine']['nccl'] or [])); sys.exit(None if got == sys.argv[1] else f'the venv has NCCL {got or None}, NCCL_VERSION says {sys.argv[1]}')" "$NCCL_VERSION" \
+    && rm /tmp/doctor.json
+
 RUN useradd --create-home --uid 1000 --shell /bin/bash maxtext \
     && mkdir -p /runs && chown maxtext:maxtext /runs
 USER 1000:1000
-ENV PATH=/opt/venv/bin:$PATH
+# One NCCL per process: jaxlib's CUDA plugin opens this file by path, and the preload answers the soname
+# libnccl.so.2 that TE's libnccl_ep.so asks for, so neither can bind the base image's own NCCL.
+ENV PATH=/opt/venv/bin:$PATH \
+    LD_PRELOAD=${NCCL_LIB}
 WORKDIR /runs
 
 ENTRYPOINT ["maxtext-moe"]

@@ -7,11 +7,13 @@
 # one 64 MiB carry, so it travels alone in a first call on the machine and is unpacked to /opt/nccl, which
 # stays while the machine is held (it is given back 30 s after a call); the next call carries TE and the
 # wheels and sources /opt/nccl/activate.sh after scripts/device/common.sh.
-# Usage: scripts/device/build_nccl_carry.sh [OUT.tar.xz]     (NCCL_VERSION=2.30.7 by default)
+# Usage: scripts/device/build_nccl_carry.sh [OUT.tar.xz]
+#   NCCL_VERSION defaults to the nvidia-nccl-cu13 pin of pyproject.toml's gpu extra, the NCCL the container ships.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 out=${1:-$root/.device/nccl_h200.tar.xz}
-version=${NCCL_VERSION:-2.30.7}
+version=${NCCL_VERSION:-$(sed -n 's/.*"nvidia-nccl-cu13==\([0-9.]*\)".*/\1/p' "$root/pyproject.toml")}
+[ -n "$version" ] || { echo "build_nccl_carry: no nvidia-nccl-cu13 pin in pyproject.toml" >&2; exit 2; }
 prune=${PRUNE_FATBIN:-$root/../shared/device/te/prune_fatbin.py}
 [ -f "$prune" ] || { echo "build_nccl_carry: $prune not found (shared/device/te/prune_fatbin.py)" >&2; exit 2; }
 work=$(mktemp -d)

@@ -12,10 +12,10 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, run_cli
 
 from maxtext_moe import __version__
-from maxtext_moe.tools import launch
+from maxtext_moe.tools import doctor, launch
 
 
 def instructions() -> list[tuple[str, str]]:
@@ -47,10 +47,93 @@ def test_hadolint_passes():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def test_base_image_is_a_pinned_ngc_jax_tag():
-    froms = [a for i, a in instructions() if i == "FROM"]
-    assert len(froms) == 1
-    assert re.fullmatch(r"nvcr\.io/nvidia/jax:\d{2}\.\d{2}-py3", froms[0]), froms[0]
+def build_args() -> dict[str, str]:
+    """ARG name -> default, before and after FROM (a bare `ARG NAME` only brings the name into the stage)."""
+    return dict(a.partition("=")[::2] for i, a in instructions() if i == "ARG" and "=" in a)
+
+
+def gpu_pin(dist: str) -> str:
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
+    return next(req.partition("==")[2] for req in extra if req.split("==")[0] == dist)
+
+
+def test_base_image_is_a_build_arg_defaulting_to_a_publicly_cited_ngc_jax_tag():
+    ins = instructions()
+    froms = [a for i, a in ins if i == "FROM"]
+    assert froms == ["${BASE_IMAGE}"]
+    assert ins.index(("ARG", f"BASE_IMAGE={build_args()['BASE_IMAGE']}")) < ins.index(("FROM", froms[0]))
+    base = build_args()["BASE_IMAGE"]
+    assert re.fullmatch(r"nvcr\.io/nvidia/jax:\d{2}\.\d{2}-py3", base), base
+    # docs/CLUSTER.md names the default with the public pages that cite it.
+    cited = [line for line in (REPO / "docs/CLUSTER.md").read_text().splitlines() if f"`{base}`" in line]
+    assert any("https://" in line for line in cited), f"no public source cited for {base} in docs/CLUSTER.md"
+
+
+def test_nccl_pin_is_one_version_for_the_venv_the_label_and_the_device_carry(tmp_path):
+    pin = gpu_pin("nvidia-nccl-cu13")
+    assert tuple(map(int, pin.split("."))) >= doctor.NCCL_EP_MIN
+    args = build_args()
+    assert args["NCCL_VERSION"] == pin
+    labels = " ".join(a for i, a in instructions() if i == "LABEL")
+    assert 'maxtext-moe.nccl="${NCCL_VERSION}"' in labels
+    assert f"NCCL {pin}" in (REPO / "docs/CLUSTER.md").read_text()
+    # The carry builder downloads the same pin (a stand-in python3 records the call and stops it there).
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "python3").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/python3.log\nexit 3\n')
+    (fake / "python3").chmod(0o755)
+    prune = tmp_path / "prune_fatbin.py"
+    prune.write_text("")
+    env = {k: v for k, v in os.environ.items() if k != "NCCL_VERSION"}
+    env.update(PATH=f"{fake}:/usr/bin:/bin", PRUNE_FATBIN=str(prune))
+    r = subprocess.run(
+        ["bash", str(REPO / "scripts/device/build_nccl_carry.sh"), str(tmp_path / "nccl.tar.xz")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 3, r.stderr
+    assert f"downloading nvidia-nccl-cu13=={pin}" in r.stderr
+    assert f" nvidia-nccl-cu13=={pin}" in (tmp_path / "python3.log").read_text()
+
+
+def test_every_library_binds_the_venvs_nccl_and_the_build_checks_what_doctor_reports(tmp_path):
+    args, ins = build_args(), instructions()
+    venv = re.search(r"MAXTEXT_MOE_VENV=(\S+)", " ".join(a for i, a in ins if i == "ENV")).group(1)
+    carry = (REPO / "scripts/device/build_nccl_carry.sh").read_text()
+    in_wheel = re.search(r"extract\('(nvidia/nccl/lib/libnccl\.so\.2)'", carry).group(1)  # where the wheel puts it
+    assert args["NCCL_LIB"] == f"{venv}/lib/python3.12/site-packages/{in_wheel}"
+    preload = next(a for i, a in ins if i == "ENV" and "LD_PRELOAD=${NCCL_LIB}" in a.split())
+    install = next(a for i, a in ins if i == "RUN" and "pip install" in a)
+    check = next(a for i, a in ins if i == "RUN" and "doctor --json" in a)
+    # Installed, then checked, then preloaded (a preload of a missing file would warn in every later RUN).
+    assert ins.index(("RUN", install)) < ins.index(("RUN", check)) < ins.index(("ENV", preload))
+
+    def run_check(maxtext_moe: str) -> subprocess.CompletedProcess:
+        lib = tmp_path / "libnccl.so.2"
+        lib.write_text("")
+        script = (
+            check.replace("/opt/venv/bin/maxtext-moe", maxtext_moe)
+            .replace("/opt/venv/bin/python", sys.executable)
+            .replace("/tmp/doctor.json", str(tmp_path / "doctor.json"))
+        )
+        env = dict(os.environ, NCCL_LIB=str(lib), NCCL_VERSION=args["NCCL_VERSION"])
+        return subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True, timeout=120)
+
+    # This machine's own doctor: the check passes exactly when it reports the pinned NCCL.
+    here = run_check(f"{sys.executable} -m maxtext_moe")
+    seen = json.loads(run_cli("doctor", "--json", timeout=120).stdout)["machine"]["nccl"]
+    assert (here.returncode == 0) == (seen == list(map(int, args["NCCL_VERSION"].split("."))))
+    # A venv whose NCCL is another version fails the build, naming both.
+    for version, ok in (([2, 28, 9], False), (list(map(int, args["NCCL_VERSION"].split("."))), True)):
+        fake = tmp_path / "maxtext-moe"
+        fake.write_text(f"#!/bin/sh\necho '{json.dumps({'machine': {'nccl': version}})}'\n")
+        fake.chmod(0o755)
+        r = run_check(str(fake))
+        assert (r.returncode == 0) is ok, r.stderr
+        if not ok:
+            assert f"the venv has NCCL 2.28.9, NCCL_VERSION says {args['NCCL_VERSION']}" in r.stderr
 
 
 def test_runs_as_non_root_with_maxtext_moe_entry_point():
