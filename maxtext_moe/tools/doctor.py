@@ -52,7 +52,7 @@ class Machine:
     te_error: str | None  # why `transformer_engine.jax` did not import; None when it did (or is absent)
     te_compiled_v2: bool | None
     cublaslt: int | None  # runtime cuBLASLt version, e.g. 130100
-    nccl: tuple[int, int, int] | None  # the libnccl.so.2 TE's NCCL EP binds (see `_nccl_code`)
+    nccl: tuple[int, int, int] | None  # the libnccl.so.2 TE's NCCL EP binds (see `loaded_nccl_code`)
     host_mem_gib: float
     nccl_ep_lib: str | None = None  # TE's libnccl_ep.so, None when TE (or the library) is absent
 
@@ -90,7 +90,7 @@ def _call_version(stem: str, symbol: str, by_pointer: bool) -> int | None:
     return int(fn())
 
 
-def _nccl_code() -> int | None:
+def loaded_nccl_code() -> int | None:
     """The version of `libnccl.so.2` as TE's `ep_bootstrap` loads it (by that name: the copy the loader
     picks, LD_PRELOAD first, or the one jax's plugin already loaded), else of the pip wheel's copy."""
     try:
@@ -102,7 +102,7 @@ def _nccl_code() -> int | None:
     return _call_version("libnccl", "ncclGetVersion", by_pointer=True)
 
 
-def _nccl_ep_lib() -> str | None:
+def nccl_ep_lib_path() -> str | None:
     """TE's NCCL EP library (`libnccl_ep.so`, shipped in TE's core wheel), found without importing TE."""
     spec = importlib.util.find_spec("transformer_engine")
     if spec is None or spec.origin is None:
@@ -148,7 +148,7 @@ def probe() -> Machine:
             te_error = f"{type(e).__name__}: {e}".splitlines()[0][:200]
     if cublaslt is None:
         cublaslt = _call_version("libcublasLt", "cublasLtGetVersion", by_pointer=False)
-    nccl = _nccl_code()
+    nccl = loaded_nccl_code()
     return Machine(
         jax_version=jax.__version__,
         backend=jax.default_backend(),
@@ -161,7 +161,7 @@ def probe() -> Machine:
         cublaslt=cublaslt,
         nccl=nccl_version(nccl) if nccl else None,
         host_mem_gib=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,
-        nccl_ep_lib=_nccl_ep_lib(),
+        nccl_ep_lib=nccl_ep_lib_path(),
     )
 
 
