@@ -170,7 +170,9 @@ def bootstrapped() -> Bootstrap:
     return _bootstrapped
 
 
-def _expert_rows(recv_x: jax.Array, recv_w: jax.Array, counts: jax.Array, experts: Params, path: ExpertPath):
+def _expert_rows(
+    recv_x: jax.Array, recv_w: jax.Array, counts: jax.Array, experts: Params, path: ExpertPath
+) -> jax.Array:
     """One rank's receive buffer [1, C, D] through its experts: weighted outputs [1, C, D] in the tokens'
     dtype, zero past the last group. Within a group, NCCL EP's padding rows are zero, and so are their
     outputs (SiLU-GLU of zero)."""
@@ -195,30 +197,40 @@ def routed(
             fix="set dtype: bfloat16, or moe.exchange: auto.",
         )
     lead = _leading(mesh)
-    tokens = jax.lax.with_sharding_constraint(x.reshape(-1, cfg.emb_dim), NamedSharding(mesh, P(lead, None)))
+
+    def pin(a: jax.Array) -> jax.Array:
+        """`a` split on its leading dimension as NCCL EP takes it, the rest whole (as TE's `moe()` pins)."""
+        return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, P(lead, *[None] * (a.ndim - 1))))
+
+    tokens = pin(x.reshape(-1, cfg.emb_dim))
     per_rank = tokens.shape[0] // groups(mesh)
-    if per_rank > boot.max_tokens_per_rank or cfg.routing.num_experts != boot.num_experts:
+    shape = (cfg.routing.num_experts, cfg.routing.top_k, cfg.emb_dim)
+    if per_rank > boot.max_tokens_per_rank or shape != (boot.num_experts, boot.top_k, boot.hidden_dim):
         raise UserError(
-            f"this layer has {per_rank} tokens per rank and {cfg.routing.num_experts} experts; NCCL EP was "
-            f"bootstrapped for {boot.max_tokens_per_rank} and {boot.num_experts}.",
+            f"this layer has {per_rank} tokens per rank and (experts, top-k, width) {shape}; NCCL EP was "
+            f"bootstrapped for {boot.max_tokens_per_rank} and {(boot.num_experts, boot.top_k, boot.hidden_dim)}.",
             fix="bootstrap with the largest batch the process runs (maxtext-moe train does so).",
         )
     routing = route(gate_logits(tokens, p["gate"]["kernel"]), p["gate"]["bias"], cfg.routing)
     layer = ep.EpLayerConfig(top_k=cfg.routing.top_k, dispatch_output_per_expert_alignment=ALIGN)
     recv_x, recv_w, handle, counts, total = ep.ep_dispatch(
-        layer, routing.indices.astype(jnp.int32), tokens, routing.weights.astype(jnp.float32), boot.recv_capacity
+        layer,
+        pin(routing.indices.astype(jnp.int32)),
+        tokens,
+        pin(routing.weights.astype(jnp.float32)),
+        boot.recv_capacity,
     )
     if boot.recv_capacity < boot.worst_case:
         guard_capacity(jnp.max(total), boot.recv_capacity, boot.buffer_factor, "received rows (128 per expert block)")
-    spec = P(lead)
+    rows, per_row = P(lead, None, None), P(lead, None)
     weighted = jax.shard_map(
         functools.partial(_expert_rows, path=path),
         mesh=mesh,
-        in_specs=(spec, spec, spec, P(EP_AXIS)),
-        out_specs=spec,
+        in_specs=(rows, per_row, per_row, P(EP_AXIS)),
+        out_specs=rows,
         check_vma=path.backend == "ragged_dot" if check_vma is None else check_vma,
-    )(recv_x, recv_w, counts, {n: p[n] for n in _EXPERT_KEYS})
-    out = ep.ep_combine(layer, handle, counts, weighted, tokens.shape[0])
+    )(pin(recv_x), pin(recv_w), pin(counts), {n: p[n] for n in _EXPERT_KEYS})
+    out = ep.ep_combine(layer, handle, counts, pin(weighted), tokens.shape[0])
     counts_all = jnp.bincount(routing.indices.reshape(-1), length=cfg.routing.num_experts).astype(jnp.int32)
     dropped = jnp.zeros((), jnp.float32)  # a step that would drop is stopped by the guard above
     return out.astype(jnp.float32).reshape(x.shape), Routing(routing.indices, routing.weights, counts_all, dropped)
