@@ -201,7 +201,7 @@ class ExpertPath:
 
     backend        grouped-GEMM kernel (`gemm.grouped_matmul`)
     fp8            FP8 expert GEMMs ("current_scaling", "mxfp8": backend te only)
-    exchange       how an EP exchange runs (`exchange.exchange`)
+    exchange       how an EP exchange runs (`exchange.exchange`), or "nccl_ep" (`nccl_ep.routed`)
     buffer_factor  EP receive buffer, MaxText's `ragged_buffer_factor` (<= 0: the dropless worst case)
     dedup          send a token once per destination rank (ours), not once per chosen expert (MaxText's)
     axis_name      the mesh (or vmap) axis the experts are split over
