@@ -12,6 +12,8 @@
   `send_plan` (what each rank sends), `exchange` (the ragged all-to-all: dense blocks, XLA's ragged
   collective or an emulation, and its adjoint), `receive` (expand to local experts, grouped GEMMs, reduce;
   receive-buffer sizes and their guard) and `expert_parallel` (one EP step and its vmap/shard_map drivers).
+- `nccl_ep`: the routed experts with TE's NCCL EP dispatch and combine in place of our exchange
+  (`moe.exchange: nccl_ep`), and its once-per-process bootstrap.
 - `balance`: a layer's load-balance statistics (tokens per expert, dropped copies, selection bias).
 - `reference`: a dense per-expert float32 reference, for tests and benchmarks only.
 

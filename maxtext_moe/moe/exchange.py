@@ -118,7 +118,10 @@ def _ragged_exchange(
         return _emulated_ragged_all_to_all(
             operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name
         )
-    raise UserError(f"unknown EP exchange {impl!r}.", fix=f"use one of {', '.join(IMPLS)}.")
+    raise UserError(
+        f"unknown EP exchange {impl!r}.",
+        fix="use all_to_all, ragged_all_to_all or emulated (nccl_ep is no exchange here: see moe/nccl_ep.py).",
+    )
 
 
 def _exchange_into_fresh_buffer(

@@ -25,13 +25,13 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from maxtext_moe.errors import UserError
-from maxtext_moe.moe import balance, scopes
+from maxtext_moe.moe import balance, nccl_ep, scopes
 from maxtext_moe.moe.exchange import exchange, transpose
 from maxtext_moe.moe.layer import MoEConfig, Params, check_dropless, gate_logits, shared_expert
 from maxtext_moe.moe.receive import expand_reduce, expert_copies, guard_capacity, receive_rows
 from maxtext_moe.moe.routing import Routing, route
 from maxtext_moe.moe.send_plan import DispatchPlan, local_experts, plan_dispatch
-from maxtext_moe.moe.settings import DEFAULT_PATH, EP_AXIS, ExpertPath
+from maxtext_moe.moe.settings import DEFAULT_PATH, EP_AXIS, GPU_EXCHANGES, ExpertPath
 
 __all__ = ["EP_AXIS", "ep_moe_forward_emulated", "ep_moe_forward_sharded", "ep_routed", "ep_routed_sharded"]
 
@@ -188,17 +188,20 @@ def ep_routed_sharded(
     and exchanges them over `path.axis_name` only, so other mesh axes (data, FSDP) stay independent groups,
     and a token axis that is not sharded over it is still correct (each rank then serves its copy).
     The experts are split over that axis on their first dimension and replicated over the other axes
-    (GSPMD gathers any other sharding at the boundary), the gate is replicated. "ragged_all_to_all" is
-    refused up front on CPU devices, where XLA would fail at compile time with an opcode error; "emulated"
-    runs there (and on GPUs, as a cross-check of the real collective). `check_vma` None means on for
-    `ragged_dot` only: the custom VJPs of TE 2.20's grouped GEMM and of tokamax 0.0.17's ragged_dot return
-    weight gradients without shard_map's varying-axis type, which JAX then rejects.
+    (GSPMD gathers any other sharding at the boundary), the gate is replicated. "ragged_all_to_all" and
+    "nccl_ep" are refused up front on CPU devices, where XLA would fail at compile time with an opcode error;
+    "emulated" runs there (and on GPUs, as a cross-check of the real collective). "nccl_ep" hands the whole
+    step to `nccl_ep.routed` (TE's NCCL EP dispatch and combine, which reshard the tokens themselves).
+    `check_vma` None means on for `ragged_dot` only: the custom VJPs of TE 2.20's grouped GEMM and of
+    tokamax 0.0.17's ragged_dot return weight gradients without shard_map's varying-axis type, which JAX then rejects.
     """
-    if path.exchange == "ragged_all_to_all" and any(d.platform == "cpu" for d in mesh.devices.flat):
+    if path.exchange in GPU_EXCHANGES and any(d.platform == "cpu" for d in mesh.devices.flat):
         raise UserError(
-            "ragged_all_to_all is not implemented on XLA:CPU; use the emulated exchange.",
-            fix="pass exchange='emulated' (or ep_moe_forward_emulated) on CPU; the real collective needs GPUs.",
+            f"{path.exchange} does not run on CPU devices (XLA:CPU has no ragged all-to-all, NCCL EP is NCCL's).",
+            fix="pass exchange='all_to_all' or 'emulated' (or ep_moe_forward_emulated) on CPU; it needs GPUs.",
         )
+    if path.exchange == "nccl_ep":
+        return nccl_ep.routed(p, x, cfg, mesh, path=path, check_vma=check_vma)
     axis = path.axis_name
     ranks = mesh.shape[axis]
     local_experts(cfg.routing.num_experts, ranks)  # our message, before shard_map's own about uneven shards

@@ -19,10 +19,13 @@ Block = Literal["maxtext", "ours"]
 Backend = Literal["ragged_dot", "tokamax", "te"]
 TeGemmPath = Literal["auto", "v1", "v2"]  # requested; gemm.TePath is the one chosen
 Fp8 = Literal["none", "current_scaling", "mxfp8"]
-Exchange = Literal["auto", "all_to_all", "ragged_all_to_all"]
+Exchange = Literal["auto", "all_to_all", "ragged_all_to_all", "nccl_ep"]
 # How one EP exchange is computed: the recipe's `exchange` resolved ("auto" is "all_to_all"), or the
-# all_gather emulation that the CPU reference runs under `vmap`.
-Impl = Literal["all_to_all", "ragged_all_to_all", "emulated"]
+# all_gather emulation that the CPU reference runs under `vmap`. "nccl_ep" is TE's NCCL EP dispatch and
+# combine around our routing and grouped GEMMs (`nccl_ep.py`), in place of the whole dedup exchange.
+Impl = Literal["all_to_all", "ragged_all_to_all", "emulated", "nccl_ep"]
+# Exchanges only NVIDIA GPUs run: XLA:CPU has no ragged all-to-all, and NCCL EP is NCCL's.
+GPU_EXCHANGES: tuple[Impl, ...] = ("ragged_all_to_all", "nccl_ep")
 
 EP_AXIS = "expert"  # MaxText's name for the expert-parallel mesh axis
 
@@ -82,7 +85,7 @@ class MoeSettings:
     @property
     def exchange_impl(self) -> Impl:
         """The exchange the EP layer runs: "auto" is XLA's dense all-to-all, which every backend implements."""
-        return "ragged_all_to_all" if self.exchange == "ragged_all_to_all" else "all_to_all"
+        return "all_to_all" if self.exchange == "auto" else self.exchange
 
     @staticmethod
     def default_gemm(hw: HardwareKind) -> Backend:
@@ -112,6 +115,15 @@ class MoeSettings:
             # An explicit `impl: maxtext` (say, a command-line override of a recipe using ours) drops our
             # block's settings; setting them with no impl at all is a mistake worth a message.
             extra = next((k for k in section if k != "impl"), None)
+            exchange = section.get("exchange")
+            if "impl" not in section and exchange is not None and exchange.value == "nccl_ep":
+                raise UserError(
+                    "is nccl_ep, which runs our block's routing around TE's NCCL EP; MaxText's own block "
+                    "reaches NCCL EP only as TE's fused MoE (te_moe_block).",
+                    key="moe.exchange",
+                    source=exchange.source,
+                    fix="set moe.impl: ours, or remove moe.exchange and set te_moe_block: true.",
+                )
             if extra and "impl" not in section:
                 raise UserError(
                     "applies only to moe.impl: ours; MaxText's own block is tuned with MaxText keys "
@@ -127,8 +139,9 @@ class MoeSettings:
         return settings
 
     def check(self, hw: HardwareKind, sources: Mapping[str, str]) -> None:
-        """Refuse what cannot run on `hw`: TE and `ragged_all_to_all` need NVIDIA GPUs, FP8 experts need FP8
-        matrix units and TE's grouped GEMM. `sources` maps a field to where it was set."""
+        """Refuse what cannot run on `hw`: TE, `ragged_all_to_all` and `nccl_ep` need NVIDIA GPUs, FP8 experts
+        need FP8 matrix units and TE's grouped GEMM, and NCCL EP moves BF16 tokens only. `sources` maps a field
+        to where it was set."""
         where = sources.get("impl")
         if self.gemm == "te" and hw.maxtext_hardware != "gpu":
             raise UserError(
@@ -162,12 +175,22 @@ class MoeSettings:
                     source=sources.get("fp8"),
                     fix="use moe.fp8: current_scaling on Hopper (per-tensor FP8, which it runs).",
                 )
-        if self.exchange == "ragged_all_to_all" and hw.maxtext_hardware != "gpu":
+        if self.exchange in GPU_EXCHANGES and hw.maxtext_hardware != "gpu":
+            runs = "XLA implements" if self.exchange == "ragged_all_to_all" else "NCCL (through TE) runs"
             raise UserError(
-                f"is ragged_all_to_all, which XLA implements on GPUs only, and this recipe runs on {hw.name}.",
+                f"is {self.exchange}, which {runs} on GPUs only, and this recipe runs on {hw.name}.",
                 key="moe.exchange",
                 source=sources.get("exchange"),
                 fix="use moe.exchange: auto (or all_to_all).",
+            )
+        if self.exchange == "nccl_ep" and self.fp8 != "none":
+            raise UserError(
+                f"is {self.fp8} with moe.exchange: nccl_ep, but TE 2.20.2's NCCL EP dispatches BF16 tokens "
+                "only (ep_bootstrap's max_token_dtype), and our FP8 expert GEMMs are verified with the other "
+                "exchanges only.",
+                key="moe.fp8",
+                source=sources.get("fp8"),
+                fix="set moe.fp8: none, or moe.exchange: auto.",
             )
 
 
@@ -178,7 +201,7 @@ class ExpertPath:
 
     backend        grouped-GEMM kernel (`gemm.grouped_matmul`)
     fp8            FP8 expert GEMMs ("current_scaling", "mxfp8": backend te only)
-    exchange       how an EP exchange runs (`exchange.exchange`)
+    exchange       how an EP exchange runs (`exchange.exchange`), or "nccl_ep" (`nccl_ep.routed`)
     buffer_factor  EP receive buffer, MaxText's `ragged_buffer_factor` (<= 0: the dropless worst case)
     dedup          send a token once per destination rank (ours), not once per chosen expert (MaxText's)
     axis_name      the mesh (or vmap) axis the experts are split over

@@ -5,7 +5,8 @@ name neither the file a value came from nor the hardware it will run on; many mi
 DeepSeek-V3 on GPUs (the TPU-only `megablox` kernel left on, MXFP8 experts on a Hopper, an expert-parallel
 size that does not divide the experts, a mesh that does not match the cluster) it accepts and fails on
 later, or never. These checks run first, without jax, and each error names the key, the file and the fix;
-`upstream.maxtext_config` then runs MaxText's model. The `moe:` section's own checks are in `moe/settings.py`.
+`upstream.maxtext_config` then runs MaxText's model. The `moe:` section's own checks are in `moe/settings.py`,
+its checks against MaxText keys in `moe_checks.py`.
 """
 
 from __future__ import annotations
@@ -17,9 +18,8 @@ from typing import Any
 from maxtext_moe.data import corpus as corpus_files
 from maxtext_moe.data import prepared
 from maxtext_moe.errors import UserError
-from maxtext_moe.moe.settings import MoeSettings
 from maxtext_moe.recipe import guard as guard_section
-from maxtext_moe.recipe import maxtext_keys, mesh_check
+from maxtext_moe.recipe import maxtext_keys, mesh_check, moe_checks
 from maxtext_moe.recipe.composition import Composition, suggest
 from maxtext_moe.recipe.hardware import PROFILES, Hardware
 from maxtext_moe.recipe.resolved import ResolvedRecipe, Topology
@@ -202,68 +202,6 @@ class _Checker:
                 )
 
 
-def _moe(comp: Composition, check: _Checker, hw: Hardware) -> MoeSettings:
-    """The `moe` section with defaults (`MoeSettings`), and the checks of it against MaxText keys."""
-    settings = MoeSettings.from_section(comp.sections["moe"], hw)
-    if not settings.ours:
-        return settings
-    if check.value("decoder_block") != "deepseek":
-        check.fail(
-            "decoder_block",
-            f"is {check.value('decoder_block')!r}, but moe.impl: ours replaces the routed "
-            "experts of MaxText's DeepSeek decoder layer only.",
-            "use a DeepSeek model (decoder_block: deepseek), or remove moe.impl.",
-        )
-    if check.value("num_experts") <= 1:
-        check.fail(
-            "num_experts",
-            "is 1: moe.impl: ours replaces the routed-expert block, which this model lacks.",
-            "remove moe.impl, or give the model experts.",
-        )
-    if check.value("te_moe_block"):
-        check.fail(
-            "te_moe_block",
-            "is true, but moe.impl: ours replaces the routed-expert block with ours.",
-            "choose one: set te_moe_block: false, or remove moe.impl.",
-        )
-
-    def split(axis: str) -> str | None:
-        """The first of ici_/dcn_`axis`_parallelism that splits the mesh (-1 included), or None."""
-        return next((k for net in ("ici", "dcn") if check.value(k := f"{net}_{axis}_parallelism") != 1), None)
-
-    expert_parallel = split("expert") is not None
-    # Our dispatch runs over the mesh axis `expert` (`deepseek_layer.py`); these MaxText EP variants use others.
-    if expert_parallel and check.value("use_ring_of_experts"):
-        check.fail(
-            "use_ring_of_experts",
-            "is true, but moe.impl: ours does its own expert-parallel dispatch "
-            "(deduplicated ragged all-to-all), not MaxText's ring of experts.",
-            "set use_ring_of_experts: false, or use moe.impl: maxtext.",
-        )
-    if expert_parallel and check.value("custom_mesh_and_rule") == "cp-as-ep":
-        check.fail(
-            "custom_mesh_and_rule",
-            "is cp-as-ep, but moe.impl: ours dispatches over the expert axis alone.",
-            "remove custom_mesh_and_rule, or use moe.impl: maxtext.",
-        )
-    if expert_parallel and split("pipeline"):
-        check.fail(
-            split("pipeline"),
-            "is not 1, but moe.impl: ours does not run expert parallelism inside MaxText's pipeline stages.",
-            "set it to 1, or use moe.impl: maxtext.",
-        )
-    if expert_parallel and settings.gemm == "te" and check.value("scan_layers"):
-        # XLA's compiler (JAX 0.11.2, TE 2.20.2) crashes in backend_compile_and_load on this combination,
-        # with either exchange and any number of processes; unrolled layers compile.
-        check.fail(
-            "scan_layers",
-            "is true, but with moe.gemm: te and expert parallelism XLA's compiler crashes "
-            "(segmentation fault) on scanned decoder layers; unrolled layers train.",
-            "set scan_layers: false, or moe.gemm: tokamax.",
-        )
-    return settings
-
-
 def _attention(comp: Composition, check: _Checker) -> dict[str, str]:
     """The `attention` section with defaults: `residuals: save` keeps flash attention's forward outputs."""
     sec = comp.sections["attention"]
@@ -328,7 +266,7 @@ def resolve(comp: Composition) -> ResolvedRecipe:
         maxtext["grain_train_files"] = corpus_files.file_pattern(corpus_files.default_dir(out))
         sources["maxtext.grain_train_files"] = f"derived from the corpus section ({sources.get('corpus.source')})"
     prepared.resolve_train_files(maxtext, sources)
-    moe = _moe(comp, check, hw).to_dict()
+    moe = moe_checks.settings(comp.sections["moe"], check, topo).to_dict()
     for key in moe:
         sources.setdefault(f"moe.{key}", f"default for {hw.name}" if key == "gemm" else "default")
     attention = _attention(comp, check)

@@ -52,8 +52,9 @@ class Machine:
     te_error: str | None  # why `transformer_engine.jax` did not import; None when it did (or is absent)
     te_compiled_v2: bool | None
     cublaslt: int | None  # runtime cuBLASLt version, e.g. 130100
-    nccl: tuple[int, int, int] | None
+    nccl: tuple[int, int, int] | None  # the libnccl.so.2 TE's NCCL EP binds (see `loaded_nccl_code`)
     host_mem_gib: float
+    nccl_ep_lib: str | None = None  # TE's libnccl_ep.so, None when TE (or the library) is absent
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,27 @@ def _call_version(stem: str, symbol: str, by_pointer: bool) -> int | None:
         return v.value if fn(ctypes.byref(v)) == 0 else None
     fn.restype = ctypes.c_size_t
     return int(fn())
+
+
+def loaded_nccl_code() -> int | None:
+    """The version of `libnccl.so.2` as TE's `ep_bootstrap` loads it (by that name: the copy the loader
+    picks, LD_PRELOAD first, or the one jax's plugin already loaded), else of the pip wheel's copy."""
+    try:
+        v = ctypes.c_int(0)
+        if ctypes.CDLL("libnccl.so.2").ncclGetVersion(ctypes.byref(v)) == 0:
+            return v.value
+    except (OSError, AttributeError):
+        pass
+    return _call_version("libnccl", "ncclGetVersion", by_pointer=True)
+
+
+def nccl_ep_lib_path() -> str | None:
+    """TE's NCCL EP library (`libnccl_ep.so`, shipped in TE's core wheel), found without importing TE."""
+    spec = importlib.util.find_spec("transformer_engine")
+    if spec is None or spec.origin is None:
+        return None
+    found = sorted(Path(spec.origin).parent.glob("**/libnccl_ep*.so*"))
+    return str(found[0]) if found else None
 
 
 def nccl_version(code: int) -> tuple[int, int, int]:
@@ -126,7 +148,7 @@ def probe() -> Machine:
             te_error = f"{type(e).__name__}: {e}".splitlines()[0][:200]
     if cublaslt is None:
         cublaslt = _call_version("libcublasLt", "cublasLtGetVersion", by_pointer=False)
-    nccl = _call_version("libnccl", "ncclGetVersion", by_pointer=True)
+    nccl = loaded_nccl_code()
     return Machine(
         jax_version=jax.__version__,
         backend=jax.default_backend(),
@@ -139,6 +161,7 @@ def probe() -> Machine:
         cublaslt=cublaslt,
         nccl=nccl_version(nccl) if nccl else None,
         host_mem_gib=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,
+        nccl_ep_lib=nccl_ep_lib_path(),
     )
 
 
@@ -273,27 +296,36 @@ def compare(m: Machine, r: ResolvedRecipe) -> list[Line]:
                     "set moe.te_gemm_path=auto (or v1), or use an image with cuBLAS >= 13.4",
                 )
             )
-    ep = int(r.effective("ici_expert_parallelism"))
-    needs_ep = bool(r.effective("te_moe_block")) and (ep == -1 or ep > 1)
-    ep_ok = m.nccl is not None and m.nccl >= NCCL_EP_MIN and (m.compute_capability or (0, 0)) >= NCCL_EP_MIN_CC
-    nccl_have = (
-        f"{_dotted(m.nccl)}; NCCL EP {'usable' if ep_ok else 'not usable'} (needs >= {_dotted(NCCL_EP_MIN)} and SM90+)"
-        if m.nccl
-        else "not found"
-    )
-    lines.append(
-        Line(
-            "nccl",
-            nccl_have + ("; needed by te_moe_block with expert parallelism" if needs_ep else ""),
-            "gap" if needs_ep and not ep_ok else "info",
-            f"use an image with NCCL >= {_dotted(NCCL_EP_MIN)} (pip nvidia-nccl-cu13) on SM90+ GPUs, or set "
-            "ici_expert_parallelism=1 / te_moe_block=false"
-            if needs_ep and not ep_ok
-            else "",
-        )
-    )
+    lines.append(_nccl_line(m, r, te_ok))
     lines.append(Line("host memory", f"{m.host_mem_gib:.0f} GiB", "info"))
     return lines
+
+
+def _nccl_line(m: Machine, r: ResolvedRecipe, te_ok: bool) -> Line:
+    """Whether NCCL EP can run here (TE's JAX bindings, its libnccl_ep.so, libnccl.so.2 >= 2.30.4, SM90+), and
+    whether the recipe needs it: MaxText's TE block with expert parallelism, or our block with nccl_ep."""
+    ep = int(r.effective("ici_expert_parallelism"))
+    users = ["te_moe_block with expert parallelism"] * (bool(r.effective("te_moe_block")) and (ep == -1 or ep > 1))
+    users += ["moe.exchange=nccl_ep"] * (r.moe_settings.ours and r.moe_settings.exchange == "nccl_ep")
+    missing = [
+        *(["TE's JAX bindings"] if not te_ok else []),
+        *(["TE's libnccl_ep.so"] if te_ok and m.nccl_ep_lib is None else []),
+        *([f"libnccl.so.2 >= {_dotted(NCCL_EP_MIN)}"] if m.nccl is None or m.nccl < NCCL_EP_MIN else []),
+        *(["SM90+"] if (m.compute_capability or (0, 0)) < NCCL_EP_MIN_CC else []),
+    ]
+    have = (_dotted(m.nccl) if m.nccl else "libnccl.so.2 not found") + (
+        "; NCCL EP usable" if not missing else f"; NCCL EP not usable (lacks {', '.join(missing)})"
+    )
+    gap = bool(users) and bool(missing)
+    return Line(
+        "nccl",
+        have + (f"; needed by {' and '.join(users)}" if users else ""),
+        "gap" if gap else "info",
+        f"use TE 2.20.2 with NCCL >= {_dotted(NCCL_EP_MIN)} on SM90+ GPUs (the container, or the NCCL carry of "
+        "docs/PERFORMANCE.md), or set moe.exchange=auto / te_moe_block=false"
+        if gap
+        else "",
+    )
 
 
 def render(r: ResolvedRecipe, lines: list[Line]) -> str:

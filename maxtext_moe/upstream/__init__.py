@@ -24,6 +24,8 @@ Each module names the gap it fills. `SYMBOLS` lists what they touch, so that one
 - `orbax_stream`: `NumpyHandler._open_and_write`, overridden to write an array slice by slice, and Orbax's
   read spec and tensorstore context (`get_json_tspec_read`, `ParamInfo`, `get_ts_context`) to read one back
   slice by slice.
+- `nccl_ep_bootstrap`: wraps `max_utils.maybe_bootstrap_te_moe` (called by `train_utils.setup_train_loop`) to
+  bootstrap NCCL EP for our block with `moe.exchange: nccl_ep`.
 - `jax_coordination`: `jax._src.distributed.global_state.client`, the key-value store of a multi-process run.
 """
 
@@ -49,6 +51,8 @@ SYMBOLS: tuple[tuple[str, str, str], ...] = (
     ("maxtext", "maxtext.utils.exceptions", "StopTraining"),
     ("maxtext", "maxtext.configs.pyconfig", "_initialize_pydantic"),
     ("maxtext", "maxtext.utils.max_utils", "transformer_engine_context"),
+    ("maxtext", "maxtext.utils.max_utils", "maybe_bootstrap_te_moe"),
+    ("maxtext", "maxtext.utils.train_utils", "setup_train_loop"),
     ("maxtext", "maxtext.trainers.pre_train.train", "main"),
     ("maxtext", "maxtext.trainers.pre_train.train", "train_step"),
     ("maxtext", "maxtext.trainers.pre_train.train", "record_activation_metrics"),

@@ -28,7 +28,9 @@ Expert parallelism: when MaxText's mesh has an `expert` axis of size > 1, the ro
 batch of 1, and `activation_norm_length`), experts by their first dimension over `expert`. The exchange is
 `moe.exchange` (`exchange_impl`): by default XLA's dense all-to-all, on CPUs and GPUs alike. The receive
 buffers follow MaxText's `ragged_buffer_factor` (-1: dropless worst case; > 0: that many times the balanced
-rows, and a step that would need more stops with an error, see moe/receive.py).
+rows, and a step that would need more stops with an error, see moe/receive.py). With `moe.exchange: nccl_ep`
+the routed experts run through TE's NCCL EP instead (`moe/nccl_ep.py`), bootstrapped at start-up by
+`nccl_ep_bootstrap.py`.
 
 We rebind the DeepSeek layer rather than `moe.RoutedAndSharedMoE` or `moe.RoutedMoE` because those are
 shared by other models and by `maxtext_block.py`, our yardstick, which must stay MaxText's block.
@@ -50,7 +52,7 @@ from maxtext_moe.errors import UserError
 from maxtext_moe.moe import expert_parallel, gemm
 from maxtext_moe.moe.layer import MoEConfig, Params, gate_logits, routed_experts
 from maxtext_moe.moe.routing import Routing, RoutingConfig
-from maxtext_moe.moe.settings import EP_AXIS, ExpertPath, Impl, MoeSettings
+from maxtext_moe.moe.settings import EP_AXIS, GPU_EXCHANGES, ExpertPath, Impl, MoeSettings
 from maxtext_moe.upstream import balance_metrics
 
 log = logging.getLogger(__name__)
@@ -176,11 +178,11 @@ def _routed_params(routed: mt_moe.RoutedMoE, num_experts: int) -> Params:
 
 def exchange_impl(mesh: Mesh, settings: MoeSettings) -> Impl:
     """The EP exchange (`moe.exchange`, `MoeSettings.exchange_impl`), refused on a mesh that is not all GPUs
-    when it is "ragged_all_to_all" (XLA:CPU does not implement it); see `exchange._dense_ragged_all_to_all`
-    for why "auto" is XLA's dense all-to-all, and docs/PERFORMANCE.md."""
-    if settings.exchange == "ragged_all_to_all" and not all(d.platform == "gpu" for d in mesh.devices.flat):
+    when it is "ragged_all_to_all" (XLA:CPU does not implement it) or "nccl_ep" (NCCL's); see
+    `exchange._dense_ragged_all_to_all` for why "auto" is XLA's dense all-to-all, and docs/PERFORMANCE.md."""
+    if settings.exchange in GPU_EXCHANGES and not all(d.platform == "gpu" for d in mesh.devices.flat):
         raise UserError(
-            "moe.exchange ragged_all_to_all needs GPUs (XLA:CPU does not implement it).",
+            f"moe.exchange {settings.exchange} needs GPUs (XLA:CPU has no ragged all-to-all, NCCL EP is NCCL's).",
             key="moe.exchange",
             fix="use moe.exchange: auto.",
         )
@@ -233,7 +235,8 @@ def install(settings: MoeSettings) -> type[OurDeepSeekMoELayer]:
 
     A fresh subclass per call carries the settings (see the module docstring). With gemm "te" the TE
     grouped-GEMM path is chosen here, once (it needs the devices up: call this after `jax.distributed` is
-    initialised).
+    initialised). With exchange "nccl_ep" MaxText's start-up is made to bootstrap NCCL EP for our layers
+    (`nccl_ep_bootstrap`), after its mesh exists and before it builds the model.
     """
     if not settings.ours:
         raise UserError(f"deepseek_layer.install is for moe.impl: ours, got {settings.impl!r}.")
@@ -245,6 +248,10 @@ def install(settings: MoeSettings) -> type[OurDeepSeekMoELayer]:
         )
     if settings.gemm == "te":
         gemm.select_te_grouped_gemm_path(settings.te_gemm_path)
+    if settings.exchange == "nccl_ep":
+        from maxtext_moe.upstream import nccl_ep_bootstrap
+
+        nccl_ep_bootstrap.install()
     layer = type(OurDeepSeekMoELayer.__name__, (OurDeepSeekMoELayer,), {"settings": settings})
     layer.__qualname__ = OurDeepSeekMoELayer.__qualname__
     deepseek.DeepSeekMoELayer = layer

@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# Build .device/nccl_h200.tar.xz: an NCCL new enough for TE's NCCL EP (>= 2.30.4), for the lent H200s.
+# Build .device/nccl/nccl_h200.tar.xz: an NCCL new enough for TE's NCCL EP (>= 2.30.4), for the lent H200s.
 #
 # The H200 image has NCCL 2.28.9 and no network. The pip wheel nvidia-nccl-cu13 carries libnccl.so.2
 # with device code for seven architectures (252 MB for 2.30.7); the shared prune tool keeps sm_90 only,
 # and xz brings it to about 36 MiB. With the TE archive (29 MB) and the wheelhouse (25 MB) that is over
-# one 64 MiB carry, so it travels alone in a first call on the machine and is unpacked to /opt/nccl, which
-# stays while the machine is held (it is given back 30 s after a call); the next call carries TE and the
-# wheels and sources /opt/nccl/activate.sh after scripts/device/common.sh.
+# one 64 MiB carry, so it travels alone in a first call on the machine (carry .device/nccl; the call runs
+# scripts/device/nccl_unpack.sh) and is unpacked to /opt/nccl, which stays while the machine is held (it is
+# given back 30 s after a call); the next call carries TE and the wheels (.device/wheels, .device/xprof-stub,
+# .device/te_h200_bundle.tar.xz, not .device/nccl) and sources /opt/nccl/activate.sh after
+# scripts/device/common.sh (scripts/device/nccl_ep_h200x2.sh does). docs/PERFORMANCE.md has both calls.
 # Usage: scripts/device/build_nccl_carry.sh [OUT.tar.xz]
 #   NCCL_VERSION defaults to the nvidia-nccl-cu13 pin of pyproject.toml's gpu extra, the NCCL the container ships.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-out=${1:-$root/.device/nccl_h200.tar.xz}
+out=${1:-$root/.device/nccl/nccl_h200.tar.xz}
 version=${NCCL_VERSION:-$(sed -n 's/.*"nvidia-nccl-cu13==\([0-9.]*\)".*/\1/p' "$root/pyproject.toml")}
 [ -n "$version" ] || { echo "build_nccl_carry: no nvidia-nccl-cu13 pin in pyproject.toml" >&2; exit 2; }
 prune=${PRUNE_FATBIN:-$root/../shared/device/te/prune_fatbin.py}

@@ -5,7 +5,8 @@
 # with expert parallelism 2 (our block, TE) and with FSDP 2 (MaxText's block), one process per GPU (or one for both).
 # Usage there: bash scripts/device/proxy_2gpu_h200x2.sh STEPS ["NAME PROCESSES RECIPE key=value ..." ...]
 # DISPATCH_TESTS=0 skips the GPU tests; EP_BENCH_BACKENDS=" " skips the layer benchmark, EP_BUFFER_FACTORS lists
-# the ragged_buffer_factor values it runs (default -1, the dropless worst case).
+# the ragged_buffer_factor values it runs (default -1, the dropless worst case), EP_BENCH_IMPLS the exchanges
+# (default all_to_all; nccl_ep needs the NCCL of scripts/device/nccl_ep_h200x2.sh).
 # Logs and JSON: $OUT/results.tgz.
 set -uo pipefail
 steps=${1:-8}; shift || true
@@ -30,11 +31,13 @@ per_gpu() {  # processes (1: one process sees both GPUs; 2: one per GPU), log pr
 }
 for backend in ${EP_BENCH_BACKENDS:-te}; do
   for factor in ${EP_BUFFER_FACTORS:--1}; do
-    name=ep_dispatch_${backend}_f$factor
-    per_gpu 2 "$W/$name" timeout -k 10 150 python3 benchmarks/bench_ep_dispatch.py --tokens-per-device 8192 \
-      --experts 64 --backend "$backend" --buffer-factor "$factor" --out "$W/$name.json"
-    echo "EP dispatch bench ($backend, ragged_buffer_factor $factor) rc=$?"
-    grep -v "Warning\|^ *$" "$W/$name.p0.log" | tail -6; pack
+    for impl in ${EP_BENCH_IMPLS:-all_to_all}; do
+      name=ep_dispatch_${backend}_${impl}_f$factor
+      per_gpu 2 "$W/$name" timeout -k 10 150 python3 benchmarks/bench_ep_dispatch.py --tokens-per-device 8192 \
+        --experts 64 --backend "$backend" --impl "$impl" --buffer-factor "$factor" --out "$W/$name.json"
+      echo "EP dispatch bench ($backend, $impl, ragged_buffer_factor $factor) rc=$?"
+      grep -v "Warning\|^ *$" "$W/$name.p0.log" | tail -6; pack
+    done
   done
 done
 bench() {  # name, processes, recipe [overrides]; process 0 reports

@@ -27,6 +27,7 @@ def _h200(**changes) -> doctor.Machine:
         cublaslt=130100,
         nccl=(2, 28, 9),
         host_mem_gib=2000.0,
+        nccl_ep_lib="/opt/te/site-packages/transformer_engine/wheel_lib/libnccl_ep.so",
     )
     return doctor.Machine(**(base | changes))
 
@@ -120,6 +121,21 @@ def test_blackwell_mxfp8_recipe_needs_sm100(name: str):
     gaps = _gaps(doctor.compare(_h200(nccl=(2, 30, 4)), r))
     assert "gpu" in gaps and "SM100" in gaps["gpu"]
     assert "gpu" not in _gaps(doctor.compare(_h200(nccl=(2, 30, 4), compute_capability=(10, 0)), r))
+
+
+def test_nccl_ep_exchange_needs_new_nccl_and_tes_library():
+    """Our block with moe.exchange=nccl_ep on the two-H200 proxy: the lent image's NCCL 2.28.9 is a gap, NCCL
+    2.30.7 (the carry) is not, and neither is enough without TE's libnccl_ep.so."""
+    r = resolve("deepseek3-proxy-h200-2gpu", ["moe.exchange=nccl_ep"])
+    old = next(x for x in doctor.compare(_h200(), r) if x.item == "nccl")
+    assert old.status == "gap" and "lacks libnccl.so.2 >= 2.30.4" in old.have
+    assert "needed by moe.exchange=nccl_ep" in old.have and "moe.exchange=auto" in old.fix
+    new = next(x for x in doctor.compare(_h200(nccl=(2, 30, 7)), r) if x.item == "nccl")
+    assert new.status == "info" and "2.30.7; NCCL EP usable; needed by moe.exchange=nccl_ep" in new.have
+    no_lib = _gaps(doctor.compare(_h200(nccl=(2, 30, 7), nccl_ep_lib=None), r))
+    assert set(no_lib) == {"nccl"}
+    default = next(x for x in doctor.compare(_h200(), resolve("deepseek3-proxy-h200-2gpu", [])) if x.item == "nccl")
+    assert default.status == "info" and "NCCL EP not usable" in default.have and "needed by" not in default.have
 
 
 @pytest.mark.parametrize("code,version", [(22809, (2, 28, 9)), (23004, (2, 30, 4)), (2804, (2, 8, 4))])

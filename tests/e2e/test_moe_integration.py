@@ -187,6 +187,37 @@ def test_install_rebinds_the_deepseek_layer_the_decoder_builds(monkeypatch):
     assert issubclass(installed, deepseek_layer.OurDeepSeekMoELayer) and installed.settings.gemm == "tokamax"
 
 
+def test_nccl_ep_install_bootstraps_from_maxtexts_start_up(monkeypatch):
+    """With moe.exchange nccl_ep, `install` makes the function MaxText's `setup_train_loop` calls before it
+    builds the model bootstrap NCCL EP for our layers; here, without TE, it stops with the package to install."""
+    import inspect
+    from types import SimpleNamespace
+
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+    from maxtext.models import deepseek
+    from maxtext.utils import max_utils, train_utils
+
+    from maxtext_moe.errors import UserError
+    from maxtext_moe.moe.settings import MoeSettings
+    from maxtext_moe.upstream import deepseek_layer
+
+    assert "max_utils.maybe_bootstrap_te_moe(config, mesh, shaped_batch)" in inspect.getsource(
+        train_utils.setup_train_loop
+    )
+    monkeypatch.setattr(deepseek, "DeepSeekMoELayer", deepseek.DeepSeekMoELayer)  # both restored after the test
+    monkeypatch.setattr(max_utils, "maybe_bootstrap_te_moe", max_utils.maybe_bootstrap_te_moe)
+    deepseek_layer.install(MoeSettings(impl="ours", gemm="ragged_dot", exchange="nccl_ep"))
+    assert max_utils.maybe_bootstrap_te_moe.bootstraps_ours
+    config = SimpleNamespace(te_moe_block=False, num_experts=16, num_experts_per_tok=4, emb_dim=32)
+    config.__dict__.update(gradient_accumulation_steps=1, micro_batch_size_to_train_on=2, eval_interval=-1)
+    config.ragged_buffer_factor = -1.0
+    mesh = Mesh(np.array(jax.devices()[:1]), ("expert",))
+    with pytest.raises(UserError, match=r"nccl_ep needs Transformer Engine's JAX EP.*transformer-engine\[jax\]"):
+        max_utils.maybe_bootstrap_te_moe(config, mesh, {"inputs": jax.ShapeDtypeStruct((2, 8), np.int32)})
+
+
 def test_doctor_requires_te_for_our_te_gemm():
     machine = doctor.Machine(
         jax_version="0.11.2",

@@ -193,20 +193,22 @@ _TWO_CPU_DEVICES = textwrap.dedent("""
     grads_one = jax.grad(lambda p, x: jnp.sum(moe_forward(p, x, cfg)[0] * cot), (0, 1))(params, x)
     grad_rel = max(float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
                    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_one)) if jnp.any(b != 0))
-    try:
-        expert_parallel.ep_moe_forward_sharded(params, x, cfg, mesh, ExpertPath(exchange="ragged_all_to_all"))
-        error = None
-    except UserError as e:
-        error = str(e)
-    print(json.dumps({"devices": len(jax.devices()), "error": error, "grad_rel": grad_rel,
+    errors = {}
+    for gpu_only in ("ragged_all_to_all", "nccl_ep"):
+        try:
+            expert_parallel.ep_moe_forward_sharded(params, x, cfg, mesh, ExpertPath(exchange=gpu_only))
+            errors[gpu_only] = None
+        except UserError as e:
+            errors[gpu_only] = str(e)
+    print(json.dumps({"devices": len(jax.devices()), "errors": errors, "grad_rel": grad_rel,
                       "rel": float(jnp.linalg.norm(y - y_one) / jnp.linalg.norm(y_one))}))
 """)
 
 
 def test_sharded_path_on_two_cpu_devices() -> None:
     """shard_map over 2 CPU devices: the emulated exchange matches the layer, outputs and gradients (which run
-    through our adjoint of the exchange, as on GPUs); the real one is refused clearly
-    (XLA:CPU in JAX 0.11.2 fails to compile `ragged-all-to-all` with an UNIMPLEMENTED opcode error)."""
+    through our adjoint of the exchange, as on GPUs); the GPU-only ones are refused clearly (XLA:CPU in JAX
+    0.11.2 fails to compile `ragged-all-to-all` with an UNIMPLEMENTED opcode error; NCCL EP is NCCL's)."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
     proc = subprocess.run(
         [sys.executable, "-c", _TWO_CPU_DEVICES], capture_output=True, text=True, env=env, timeout=300
@@ -214,7 +216,9 @@ def test_sharded_path_on_two_cpu_devices() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["devices"] == 2 and result["rel"] < 1e-6 and result["grad_rel"] < 1e-5
-    assert "ragged_all_to_all is not implemented on XLA:CPU; use the emulated exchange" in result["error"]
+    for gpu_only in ("ragged_all_to_all", "nccl_ep"):
+        assert f"{gpu_only} does not run on CPU devices" in result["errors"][gpu_only]
+        assert "pass exchange='all_to_all' or 'emulated'" in result["errors"][gpu_only]
 
 
 _FOUR_CPU_DEVICES = textwrap.dedent("""
