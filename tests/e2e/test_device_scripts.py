@@ -111,9 +111,13 @@ def test_two_gpu_runs_start_one_process_per_gpu_or_one_for_both(tmp_path: Path) 
     ep = [c for c in calls if "benchmarks/bench_ep_dispatch.py" in c]
     assert sorted(c.split(" benchmarks/")[0] for c in ep) == ["CVD=unset PID=0 N=2", "CVD=unset PID=1 N=2"]
     assert all("--backend te" in c for c in ep)
-    assert {"two.p0.log", "two.p1.log", "one.p0.log", "dispatch_gpu.log", "ep_dispatch_te_f-1.p0.log"} <= packed(
-        archive
-    )
+    assert {
+        "two.p0.log",
+        "two.p1.log",
+        "one.p0.log",
+        "dispatch_gpu.log",
+        "ep_dispatch_te_all_to_all_f-1.p0.log",
+    } <= packed(archive)
 
 
 def test_plan_compile_runs_every_recipe_under_a_limit_past_failures_then_the_table(tmp_path: Path) -> None:
