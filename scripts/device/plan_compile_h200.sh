@@ -9,11 +9,29 @@
 # limit still brings back what finished); a table of compiled vs planned memory comes last.
 # Usage there: bash scripts/device/plan_compile_h200.sh [recipes/NAME.yml ...]  (default: the proxies, then every
 # 671B recipe; a 671B compile can take many minutes: name a few per call, with PLAN_JOBS to run them together)
+# A 671B compile outlasts one call (still running after 545 s on an H200, 2026-12-01). PLAN_DETACH=1 starts the
+# compiles in a process session of their own and returns at once, so the call can go on with other work (the
+# compiles run no GPU kernels); the next call, within the 30 s the machine stays held, runs
+# `bash scripts/device/plan_compile_h200.sh --collect`, which waits for them (up to PLAN_TIMEOUT s) and packs.
 set -uo pipefail
 source scripts/device/common.sh
 PLAN_TIMEOUT=${PLAN_TIMEOUT:-150}
 PLAN_JOBS=${PLAN_JOBS:-1}
 R="$W/plan_compile"; mkdir -p "$R"  # packed into $OUT/results.tgz: a call brings back at most 8 files
+table() { python3 scripts/device/plan_compile_table.py "$R" | tee "$R/table.txt"; pack; }
+if [ "${1:-}" = --collect ]; then
+  while [ ! -e "$R/done" ] && [ "$SECONDS" -lt "$PLAN_TIMEOUT" ]; do sleep 5; done
+  [ -e "$R/done" ] || echo "plan_compile: still compiling after $SECONDS s; what finished:"
+  cat "$R/status.txt" 2>/dev/null
+  table
+  exit 0
+fi
+if [ -n "${PLAN_DETACH:-}" ]; then
+  rm -f "$R/done"
+  PLAN_DETACH='' setsid nohup bash "$0" "$@" > "$R/detached.log" 2>&1 < /dev/null &
+  echo "plan_compile: compiling $# recipe(s) detached (log $R/detached.log); collect with: bash $0 --collect"
+  exit 0
+fi
 if [ $# -eq 0 ]; then
   set -- recipes/deepseek3-proxy-*.yml recipes/deepseek3-671b-*.yml
 fi
@@ -32,6 +50,5 @@ for recipe in "$@"; do
   compile "$recipe" &
 done
 wait
-pack
-python3 scripts/device/plan_compile_table.py "$R" | tee "$R/table.txt"
-pack
+touch "$R/done"
+table

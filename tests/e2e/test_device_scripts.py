@@ -149,3 +149,28 @@ def test_plan_compile_runs_plan_jobs_recipes_at_once(tmp_path: Path) -> None:
     assert third["start"] >= min(first["end"], second["end"])  # never three
     assert calls[-1].endswith("plan_compile_table.py " + str(tmp_path / "results" / "plan_compile"))
     assert {"deepseek3-671b-gb200-128.json", "status.txt"} <= packed(archive)
+
+
+def test_plan_compile_detached_then_collected_by_a_second_call(tmp_path: Path) -> None:
+    """PLAN_DETACH=1 returns at once while the compiles go on in their own session; --collect waits for them."""
+    recipes = [f"recipes/deepseek3-671b-{n}.yml" for n in ("h200-128", "h100-256")]
+    proc, _, _ = run_script(tmp_path, "plan_compile_h200.sh", *recipes, PLAN_DETACH="1", PLAN_JOBS="1")
+    assert proc.returncode == 0, proc.stderr
+    assert "compiling 2 recipe(s) detached" in proc.stdout and "rc=0" not in proc.stdout
+    env = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}", OUT=str(tmp_path / "out"))
+    env |= dict(
+        TE_ROOT=str(tmp_path / "te"), CALLS=str(tmp_path / "calls.txt"), DEVICE_RESULTS=str(tmp_path / "results")
+    )
+    collect = subprocess.run(
+        ["bash", "scripts/device/plan_compile_h200.sh", "--collect"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert collect.returncode == 0, collect.stderr
+    assert "deepseek3-671b-h200-128: rc=0" in collect.stdout and "deepseek3-671b-h100-256: rc=0" in collect.stdout
+    calls = (tmp_path / "calls.txt").read_text().splitlines()
+    assert calls[-1].endswith("plan_compile_table.py " + str(tmp_path / "results" / "plan_compile"))
+    assert {"deepseek3-671b-h100-256.json", "done"} <= packed(tmp_path / "out" / "results.tgz")
