@@ -22,7 +22,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,9 @@ GIB = 2**30
 # device count; beyond this many host devices the compile is refused rather than left to run for hours.
 MAX_CPU_DEVICES = 256
 COMPILE_TIMEOUT_S = 1800
+PROGRESS_EVERY_S = 30.0
+# JAX's own phase timings, logged by `upstream.aot` with `jax_log_compiles` on.
+_PHASE = re.compile(r"Finished ([^\n]*?) in ([0-9.]+) sec")
 # What XLA:GPU needs under the mock topology; see the module docstring. Autotuning is off altogether: it
 # times candidate kernels on the real GPU, which would disturb anything else running there, and only picks
 # among kernels; the one-GPU proxy's compiled total with and without it is in docs/PLAN.md.
@@ -157,8 +161,31 @@ def _env(compiled: ResolvedRecipe, route: Route) -> dict[str, str]:
     return env
 
 
-def compile_in_subprocess(compiled: ResolvedRecipe, route: Route, timeout_s: int = COMPILE_TIMEOUT_S) -> dict:
-    """Run `upstream.aot` on `compiled` in a fresh Python; its log stays in a temporary folder on failure."""
+def _wait(proc: subprocess.Popen, seconds: float) -> int | None:
+    """The process's exit status, or None if it still runs after `seconds`."""
+    try:
+        return proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _say_progress(out: Callable[[str], None], name: str, seconds: float, log: Path) -> None:
+    """One line while a compile runs: the time so far and the last phase JAX finished (`jax_log_compiles`)."""
+    text = log.read_text(encoding="utf-8", errors="replace") if log.exists() else ""
+    phases = _PHASE.findall(text)
+    last = f"; last finished: {phases[-1][0]} ({float(phases[-1][1]):.0f} s)" if phases else ""
+    out(f"  compiling {name}: {seconds:.0f} s{last}")
+
+
+def compile_in_subprocess(
+    compiled: ResolvedRecipe,
+    route: Route,
+    timeout_s: int = COMPILE_TIMEOUT_S,
+    progress: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+    every_s: float = PROGRESS_EVERY_S,
+) -> dict:
+    """Run `upstream.aot` on `compiled` in a fresh Python; its log stays in a temporary folder on failure.
+    A 671B compile takes many minutes, so `progress` gets a line every `every_s` seconds."""
     xla_flags.check(compiled)
     work = Path(tempfile.mkdtemp(prefix="maxtext-moe-compile-"))
     request = {
@@ -172,15 +199,23 @@ def compile_in_subprocess(compiled: ResolvedRecipe, route: Route, timeout_s: int
     (work / "request.json").write_text(json.dumps(request, default=str), encoding="utf-8")
     log = work / "compile.log"
     cmd = [sys.executable, "-m", "maxtext_moe.upstream.aot", str(work / "request.json"), str(work / "result.json")]
-    try:
-        with log.open("w", encoding="utf-8") as f:
-            proc = subprocess.run(cmd, env=_env(compiled, route), stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        raise UserError(
-            f"compiling {compiled.name} for {compiled.topology.num_devices} devices took over {timeout_s} s.",
-            key="--compile",
-            fix=f"compile a smaller layout, or on a machine with an NVIDIA GPU; the log is {log}.",
-        ) from None
+    start = time.monotonic()
+    with log.open("w", encoding="utf-8") as f:
+        proc = subprocess.Popen(cmd, env=_env(compiled, route), stdout=f, stderr=subprocess.STDOUT)
+        try:
+            while _wait(proc, min(every_s, max(0.0, start + timeout_s - time.monotonic()))) is None:
+                if time.monotonic() - start >= timeout_s:
+                    raise UserError(
+                        f"compiling {compiled.name} for {compiled.topology.num_devices} devices took over "
+                        f"{timeout_s} s.",
+                        key="--compile",
+                        fix=f"compile a smaller layout, or on a machine with an NVIDIA GPU; the log is {log}.",
+                    )
+                _say_progress(progress, compiled.name, time.monotonic() - start, log)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     if proc.returncode != 0:
         raise UserError(
             f"compiling {compiled.name}'s training step failed: {_last_error(log) or f'exit {proc.returncode}'}",

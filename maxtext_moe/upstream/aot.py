@@ -115,6 +115,7 @@ def compile_step(request: dict[str, Any]) -> dict[str, Any]:
         func, in_shard, out_shard, static, donate = maxtext_utils.get_functional_train_with_signature(
             train.train_step, data_sharding, input_shardings, model, config, params_shardings
         )
+        jax.config.update("jax_log_compiles", True)  # JAX's phase timings in the log: `plan.compiled` shows them
         start = time.monotonic()
         with _te_context(config), jax.set_mesh(mesh):
             compiled = train_compile.jit_and_compile(

@@ -63,3 +63,19 @@ def test_two_gpu_proxy_compiles_on_cpu_with_its_gpu_plan_beside_it() -> None:
 def test_compile_refuses_search_in_one_line() -> None:
     r = run_cli("plan", "deepseek3-tiny-cpu", "--compile", "--search")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--compile" in r.stderr
+
+
+def test_a_long_compile_reports_its_progress_and_jax_phases() -> None:
+    """A 671B compile runs for many minutes: a line every `every_s` seconds says how long, and which phase
+    JAX last finished (from `jax_log_compiles` in the compile's log)."""
+    from maxtext_moe.cli import resolve
+    from maxtext_moe.plan import compiled
+
+    route = compiled.choose_route(resolve("deepseek3-tiny-cpu", []), gpus_here=0)
+    lines: list[str] = []
+    result = compiled.compile_in_subprocess(
+        resolve("deepseek3-tiny-cpu", list(route.overrides)), route, progress=lines.append, every_s=1.0
+    )
+    assert result["devices"] == 1 and lines, lines
+    assert all(line.startswith("  compiling deepseek3-tiny-cpu: ") for line in lines)
+    assert any("last finished: tracing" in line for line in lines), lines
