@@ -24,7 +24,17 @@ from maxtext_moe.data import corpus, prepared
 from maxtext_moe.errors import UserError
 from maxtext_moe.recipe import advice, maxtext_keys, xla_flags
 from maxtext_moe.recipe.resolved import ResolvedRecipe
-from maxtext_moe.run import checkpoint_failures, distributed, divergence, interrupt, lock, preflight, rollback, run_dir
+from maxtext_moe.run import (
+    checkpoint_failures,
+    distributed,
+    divergence,
+    interrupt,
+    late_errors,
+    lock,
+    preflight,
+    rollback,
+    run_dir,
+)
 from maxtext_moe.run.guard_counts import GuardCounts
 from maxtext_moe.run.progress import Progress, prints_to_log
 from maxtext_moe.upstream import maxtext_config, remat, stop_metrics
@@ -63,7 +73,8 @@ def _maxtext_logging(log_file: Path, verbose: bool) -> Iterator[None]:
 
     Importing MaxText's training module installs its own INFO console handler on the root logger
     and prints a line per optional Google Cloud dependency it stubs out; the import happens here,
-    its printing goes to the log file, and handlers that are not ours are silenced.
+    its printing goes to the log file, and handlers that are not ours are silenced. Tracebacks from
+    Orbax's background work after a failed restore go there too (`late_errors`).
     """
     chatter = io.StringIO()
     with redirect_stdout(chatter):
@@ -85,6 +96,8 @@ def _maxtext_logging(log_file: Path, verbose: bool) -> Iterator[None]:
         root.addHandler(h)
     for line in chatter.getvalue().splitlines():
         logging.getLogger("maxtext-moe").info("MaxText import: %s", line)
+    if not verbose:
+        late_errors.send_to(log_file)  # not undone: what it catches comes after the run, as the process ends
     try:
         yield
     finally:

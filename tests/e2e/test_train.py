@@ -170,7 +170,9 @@ def test_random_bytes_in_checkpoint_data_give_one_line_with_the_cause(trained, t
         f.write(os.urandom(64))  # the chunk's zstd frame header
     r = run_cli("train", "steps=32", "learning_rate_schedule_steps=30", f"base_output_directory={out}", *SMALL)
     assert r.returncode == 2
-    (error,) = [line for line in r.stderr.splitlines() if line.strip()]
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, r.stderr
+    error = lines[0]
     assert len(error) < 1500, error
     assert error.startswith("maxtext-moe: error: the checkpoint at step 29 cannot be read: ValueError: ")
     assert f'OCDBT database at local file "{ckpt / "29" / "items"}/"' in error and "ZSTD" in error
