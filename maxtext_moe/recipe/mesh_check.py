@@ -36,11 +36,12 @@ Value = Callable[[str], Any]
 Fail = Callable[[str, str, str], None]
 
 
-def _axis_keys() -> list[str]:
+def _axis_keys(net: str) -> list[str]:
+    """MaxText's `{net}_*_parallelism` keys (ici or dcn): the per-axis sizes, not its derived lists."""
     return [
         k
-        for k, v in maxtext_keys.defaults().items()  # the per-axis sizes, not MaxText's derived list
-        if k.startswith("ici_") and k.endswith("_parallelism") and isinstance(v, int)
+        for k, v in maxtext_keys.defaults().items()
+        if k.startswith(f"{net}_") and k.endswith("_parallelism") and isinstance(v, int)
     ]
 
 
@@ -59,7 +60,7 @@ def check(value: Value, fail: Fail, topo: Topology) -> None:
 
 def _fits(value: Value, fail: Fail, topo: Topology) -> dict[str, int]:
     """Each ici_*_parallelism size, -1 filled in, after checking that their product is the device count."""
-    axes = _axis_keys()
+    axes = _axis_keys("ici")
     total = topo.num_devices
     known, fill = 1, []
     for key in axes:
@@ -80,11 +81,7 @@ def _fits(value: Value, fail: Fail, topo: Topology) -> dict[str, int]:
             f"the mesh ({shown}) does not fit {total} devices ({topo.nodes} node(s) x {topo.gpus_per_node}).",
             "make the product of the ici_*_parallelism sizes equal the device count, or set one to -1.",
         )
-    for key in (
-        k
-        for k, v in maxtext_keys.defaults().items()
-        if k.startswith("dcn_") and k.endswith("_parallelism") and isinstance(v, int)
-    ):
+    for key in _axis_keys("dcn"):
         if value(key) not in (1, -1):
             fail(
                 key,
@@ -108,7 +105,8 @@ def _weights(value: Value, fail: Fail, sizes: dict[str, int]) -> None:
         ways = math.prod(split.values())
         if dim % ways:
             over = {a: n for a, n in split.items() if n > 1}
-            key = AXIS_KEYS.get(max(over, key=over.get), f"ici_{max(over, key=over.get)}_parallelism")
+            widest = max(over, key=over.get)
+            key = AXIS_KEYS.get(widest, f"ici_{widest}_parallelism")
             fail(
                 key,
                 f"splits the weights' {name} dimension ({size_key}={dim}) "

@@ -79,9 +79,7 @@ def stage(kernel: str, hlo_op: str, op_name: str) -> str:
     text = f"{kernel} {hlo_op} {op_name}".lower()
     name = next((n for n, keys in STAGES if any(k in text for k in keys)), "")
     if name == "attention":
-        backward = (
-            any(k in text for k in BACKWARD) or op_name.split("/")[1:2] == ["transpose"] or "transpose(" in op_name
-        )
+        backward = any(k in text for k in BACKWARD) or "transpose(" in op_name
         return "attention backward" if backward else "attention forward"
     if name == "dense GEMMs" and scopes.EXPERTS in op_name:  # a grouped GEMM lowered to dots (ragged_dot on CPU)
         return "expert GEMMs"
@@ -195,16 +193,10 @@ def render(s: dict[str, Any]) -> str:
         if p["span_ms"]
     ]
     lines.append("")
-    stages = s.get("stages") or []
-    tables = (("stage", stages, s["total_ms"]),) if stages else ()
-    for title, rows, whole in (
-        *tables,
-        ("category", s["categories"], s["total_ms"]),
-        ("kernel", s["kernels"], s["total_ms"]),
-        ("HLO op", s["hlo_ops"], s["total_ms"]),
-    ):
+    stages = (("stage", s["stages"]),) if s.get("stages") else ()
+    for title, rows in (*stages, ("category", s["categories"]), ("kernel", s["kernels"]), ("HLO op", s["hlo_ops"])):
         lines.append(f"{'ms':>10} {'share':>6}  {title}")
-        lines += [f"{ms:>10.2f} {ms / whole:>6.1%}  {name[:110]}" for name, ms in rows]
+        lines += [f"{ms:>10.2f} {ms / s['total_ms']:>6.1%}  {name[:110]}" for name, ms in rows]
         lines.append("")
     return "\n".join(lines)
 
