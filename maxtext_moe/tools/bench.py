@@ -139,7 +139,7 @@ def _peak_device_memory_gib() -> float | None:
 
 PROFILED_STEPS = (1, 2)  # warm-up steps after the compiling one: the timed steps stay untraced
 # With --profile, one more untimed step: MaxText stops the profiler (and writes the trace) at the start of
-# the step after the traced ones, which took 27 s on an H200 (2026-12-01) and would be a timed step's.
+# the step after the traced ones, which then took 27 s on an H200 (docs/PERFORMANCE.md).
 
 
 def run(
