@@ -293,11 +293,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("overrides", nargs="*", metavar="key=value")
     b.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
     b.add_argument("--warmup", type=int, default=3, help="untimed steps first: compilation, autotuning (default 3)")
-    b.add_argument(
-        "--profile",
-        action="store_true",
-        help="trace warm-up steps 1-2 and report device time by kernel category (the timed steps stay untraced)",
-    )
+    b.add_argument("--profile", action="store_true", help="trace warm-up steps 1-2: device time by stage of the step")
     b.add_argument("--json", action="store_true", help="machine-readable output")
     b.add_argument("--out", help="also write the JSON result to this file")
     b.set_defaults(func=cmd_bench)
@@ -389,8 +385,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 130
     except Exception as e:  # noqa: BLE001 - a bug or an upstream failure: one line unless --traceback
-        if args.traceback:
-            raise
+        if args.traceback:  # printed here: a run sends uncaught errors to its log (run/late_errors.py)
+            traceback.print_exc()
+            return 1
         shown = maxtext_errors.underlying(e)
         if isinstance(shown, UserError):
             print(f"maxtext-moe: error: {shown}", file=sys.stderr)
