@@ -11,6 +11,7 @@ reported (the figures are what they are) but marked, and the command then exits 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import resource
 import statistics
@@ -182,12 +183,12 @@ def run(
         run_name=f"{resolved.maxtext.get('run_name') or resolved.name}-bench",
         **traced,
     )
-    env = dict(resolved.env)
+    bench_recipe = dataclasses.replace(resolved, maxtext=maxtext)
     if profile:  # the step's optimized HLO, for the profile's split by stage (tools/profile.py)
-        hlo = train.run_paths(ResolvedRecipe(**{**resolved.__dict__, "maxtext": maxtext})).run / "hlo"
+        hlo = train.run_paths(bench_recipe).run / "hlo"
         dump = f"--xla_dump_to={hlo} --xla_dump_hlo_module_re=jit_train_step --xla_dump_hlo_as_text"
-        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {dump}".strip()
-    bench_recipe = ResolvedRecipe(**{**resolved.__dict__, "maxtext": maxtext, "env": env})
+        flags = f"{resolved.env.get('XLA_FLAGS', '')} {dump}".strip()
+        bench_recipe = dataclasses.replace(bench_recipe, env={**resolved.env, "XLA_FLAGS": flags})
     hw = resolved.topology.profile
     # The planner's step time needs a device peak; on the CPU only its FLOPs count applies.
     predicted = plan.estimate(bench_recipe) if hw.peak_bf16_tflops else None
