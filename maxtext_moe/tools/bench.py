@@ -54,6 +54,7 @@ class BenchResult:
     predicted_step_s: float | None
     loss_first: float
     loss_last: float
+    losses: list[float]  # every timed step's, for loss curves (benchmarks/loss_curves.py)
     loss_finite_and_falling: bool  # mean of the second half of the timed steps below the first half's
     date: str
     settings: dict[str, Any]  # the MaxText keys the bench ran with
@@ -237,6 +238,7 @@ def run(
         predicted_step_s=predicted.step_s if predicted else None,
         loss_first=losses[0],
         loss_last=losses[-1],
+        losses=losses,
         loss_finite_and_falling=learning,
         date=time.strftime("%Y-%m-%d"),
         settings=maxtext,

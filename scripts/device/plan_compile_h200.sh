@@ -7,8 +7,9 @@
 # in one call's limit. Do not time training beside it: XLA's autotuner still runs kernels on the GPU.
 # JSON and logs: plan_compile/ in $OUT/results.tgz (packed again after every recipe, so a call stopped at its
 # limit still brings back what finished); a table of compiled vs planned memory comes last.
-# Usage there: bash scripts/device/plan_compile_h200.sh [recipes/NAME.yml ...]  (default: the proxies, then every
-# 671B recipe; a 671B compile can take many minutes: name a few per call, with PLAN_JOBS to run them together)
+# Usage there: bash scripts/device/plan_compile_h200.sh ["recipes/NAME.yml [key=value ...]" ...]  (default: the
+# proxies, then every 671B recipe; a 671B compile can take many minutes: name a few per call, with PLAN_JOBS to
+# run them together; overrides in the same argument compile a variant, named NAME+key-value)
 # A 671B compile outlasts one call (still running after 545 s on an H200, 2026-12-01). PLAN_DETACH=1 starts the
 # compiles in a process session of their own and returns at once, so the call can go on with other work (the
 # compiles run no GPU kernels); the next call, within the 30 s the machine stays held, runs
@@ -35,12 +36,14 @@ fi
 if [ $# -eq 0 ]; then
   set -- recipes/deepseek3-proxy-*.yml recipes/deepseek3-671b-*.yml
 fi
-compile() {  # one recipe: NAME.json (or NAME.log's last lines on failure), its line in status.txt
-  local recipe=$1 name t0=$SECONDS rc
+compile() {  # one "RECIPE.yml [key=value ...]": NAME.json (or NAME.log's last lines on failure), a status line
+  local recipe=${1%% *} overrides=() name t0=$SECONDS rc
+  [ "$recipe" = "$1" ] || read -ra overrides <<< "${1#* }"
   name=$(basename "$recipe" .yml)
+  for o in "${overrides[@]}"; do name+="+${o//=/-}"; done  # deepseek3-671b-h200-128+scan_layers-true
   mkdir -p "$W/$name.work"  # a failed compile leaves its full log there (TMPDIR), packed with the rest
-  TMPDIR="$W/$name.work" timeout -k 10 "$PLAN_TIMEOUT" python3 -m maxtext_moe plan "$name" --compile --json \
-    > "$R/$name.json" 2> "$R/$name.log"
+  TMPDIR="$W/$name.work" timeout -k 10 "$PLAN_TIMEOUT" python3 -m maxtext_moe plan "$(basename "$recipe" .yml)" \
+    "${overrides[@]}" --compile --json > "$R/$name.json" 2> "$R/$name.log"
   rc=$?
   echo "$name: rc=$rc, $((SECONDS - t0)) s" | tee -a "$R/status.txt"
   [ "$rc" = 0 ] || { rm -f "$R/$name.json"; tail -3 "$R/$name.log"; }

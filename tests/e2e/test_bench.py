@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import FAST, read_metrics, run_cli
+from conftest import FAST, REPO, read_metrics, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -45,6 +45,7 @@ def test_bench_reports_the_timed_steps(tmp_path):
     assert result["tokens_per_step"] == 2 * 128
     assert result["tokens_per_s_per_gpu"] == pytest.approx(256 / result["step_s_median"])
     assert result["loss_finite_and_falling"] and result["loss_last"] < result["loss_first"]
+    assert result["losses"] == [metrics[s]["learning/loss"] for s in range(4, 8)]
     assert result["predicted_step_s"] is None and result["mfu_bf16"] is None  # the CPU has no peak to compare
     assert not (run / "checkpoints").exists()
     assert "step time" in r.stdout and "model TFLOPS/GPU" in r.stdout
@@ -73,6 +74,17 @@ def test_bench_reports_the_timed_steps(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     assert json.loads(summary.read_text())["categories"] == prof["categories"]
     assert "category" in p.stdout and "HLO op" in p.stdout and "busy" in p.stdout
+
+    # The loss-curve comparison on this run's losses: equal to itself; 5% higher is outside 1%.
+    curves = [sys.executable, str(REPO / "benchmarks/loss_curves.py"), str(out), "--window", "2", "--every", "1"]
+    same = subprocess.run([*curves, str(out)], capture_output=True, text=True, timeout=60)
+    assert same.returncode == 0 and "gap +0.00% (tolerance 1.00%): within" in same.stdout, same.stderr
+    assert same.stdout.count("| 1.0000 |") == 4  # a row per timed step, ratio 1
+    higher = tmp_path / "higher.json"
+    higher.write_text(json.dumps(dict(result, losses=[1.05 * v for v in result["losses"]])))
+    worse = subprocess.run([*curves, str(higher), "--json", str(tmp_path / "v.json")], capture_output=True, text=True)
+    assert worse.returncode == 1 and "gap +5.00% (tolerance 1.00%): OUTSIDE" in worse.stdout
+    assert json.loads((tmp_path / "v.json").read_text())["within"] is False
 
 
 def test_profile_needs_the_warm_up_steps_it_traces(tmp_path):

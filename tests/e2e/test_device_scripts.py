@@ -151,6 +151,20 @@ def test_plan_compile_runs_plan_jobs_recipes_at_once(tmp_path: Path) -> None:
     assert {"deepseek3-671b-gb200-128.json", "status.txt"} <= packed(archive)
 
 
+def test_plan_compile_takes_overrides_after_a_recipe_as_a_variant_of_its_own(tmp_path: Path) -> None:
+    spec = "recipes/deepseek3-671b-h200-128.yml scan_layers=true per_device_batch_size=4"
+    proc, calls, archive = run_script(tmp_path, "plan_compile_h200.sh", spec, "recipes/deepseek3-671b-h200-128.yml")
+    assert proc.returncode == 0, proc.stderr
+    plans = sorted(c.split(" plan ")[1] for c in calls if " plan " in c)
+    assert plans == [
+        "deepseek3-671b-h200-128 --compile --json",
+        "deepseek3-671b-h200-128 scan_layers=true per_device_batch_size=4 --compile --json",
+    ]
+    variant = "deepseek3-671b-h200-128+scan_layers-true+per_device_batch_size-4"
+    assert f"{variant}: rc=0" in proc.stdout
+    assert {f"{variant}.json", "deepseek3-671b-h200-128.json"} <= packed(archive)
+
+
 def test_plan_compile_detached_then_collected_by_a_second_call(tmp_path: Path) -> None:
     """PLAN_DETACH=1 returns at once while the compiles go on in their own session; --collect waits for them."""
     recipes = [f"recipes/deepseek3-671b-{n}.yml" for n in ("h200-128", "h100-256")]
