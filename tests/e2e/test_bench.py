@@ -85,6 +85,25 @@ def test_bench_reports_the_timed_steps(tmp_path):
     worse = subprocess.run([*curves, str(higher), "--json", str(tmp_path / "v.json")], capture_output=True, text=True)
     assert worse.returncode == 1 and "gap +5.00% (tolerance 1.00%): OUTSIDE" in worse.stdout
     assert json.loads((tmp_path / "v.json").read_text())["within"] is False
+    # A run cut short leaves only its log: its progress lines after the warm-up stand in for the JSON's losses.
+    log = tmp_path / "bench.log"
+    log.write_text("\n".join(_cut_after_step(r.stdout, 6)))
+    cut = subprocess.run(
+        [*curves, str(log), "--warmup", "4", "--json", str(tmp_path / "c.json")], capture_output=True, text=True
+    )
+    assert cut.returncode == 0 and "last 2 of the 2 timed steps both ran" in cut.stdout, cut.stdout + cut.stderr
+    assert json.loads((tmp_path / "c.json").read_text())["other"] == pytest.approx(result["losses"][:2], abs=5e-5)
+    longer = tmp_path / "longer.json"
+    longer.write_text(json.dumps(dict(result, timed_steps=8, losses=result["losses"] * 2)))
+    other_schedule = subprocess.run([*curves, str(longer)], capture_output=True, text=True)
+    assert other_schedule.returncode == 1 and "compare runs with the same schedule" in other_schedule.stderr
+
+
+def _cut_after_step(stdout: str, last: int) -> list[str]:
+    """The bench's output as if the run had stopped after step `last` (1-based, as printed)."""
+    lines = stdout.splitlines()
+    end = next(i for i, line in enumerate(lines) if line.startswith(f"step {last + 1:>5}/"))
+    return lines[:end]
 
 
 def test_profile_needs_the_warm_up_steps_it_traces(tmp_path):
