@@ -31,6 +31,7 @@ def row(path: Path) -> str:
 
 def main(folder: str) -> int:
     names = sorted({p.stem for p in Path(folder).glob("*.json")} | {p.stem for p in Path(folder).glob("*.log")})
+    names = [n for n in names if n != "detached"]  # PLAN_DETACH's own log, not a recipe's
     print(
         f"{'recipe':<42} {'via':<4} {'devs':>5} {'device':<14} {'arg GiB':>8} {'temp GiB':>8} "
         f"{'XLA GiB':>8} {'plan GiB':>8} {'ratio':>6} {'state':>6} {'comp s':>6}"

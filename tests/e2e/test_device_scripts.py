@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -188,3 +190,21 @@ def test_plan_compile_detached_then_collected_by_a_second_call(tmp_path: Path) -
     calls = (tmp_path / "calls.txt").read_text().splitlines()
     assert calls[-1].endswith("plan_compile_table.py " + str(tmp_path / "results" / "plan_compile"))
     assert {"deepseek3-671b-h100-256.json", "done"} <= packed(tmp_path / "out" / "results.tgz")
+
+
+def test_plan_compile_table_rows_for_compiled_and_failed_recipes_not_for_the_detached_log(tmp_path: Path) -> None:
+    shutil.copy(REPO / "docs/results/plan_compile_h200_proxy_1gpu_autotune_off.json", tmp_path / "proxy.json")
+    (tmp_path / "proxy.log").write_text("compiling ...\n")
+    (tmp_path / "big.json").write_text("")  # what a compile still running at the time limit leaves
+    (tmp_path / "big.log").write_text("  compiling big: 1110 s; last finished: jaxpr to MLIR module conversion\n")
+    (tmp_path / "detached.log").write_text("maxtext-moe: error: from another recipe\n")
+    table = subprocess.run(
+        [sys.executable, "scripts/device/plan_compile_table.py", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    assert [row.split()[0] for row in table] == ["recipe", "big", "proxy"]
+    assert "failed:   compiling big: 1110 s" in table[1]
+    assert table[2].split()[1:3] == ["gpu", "1"] and "52.3" in table[2].split()  # XLA's arguments, GiB
