@@ -126,7 +126,7 @@ def profile_rows(profile: dict[str, Any], step_s: float) -> list[tuple[str, str]
         text = f"{ms / traced:.1f} ms/step ({ms / traced / step_ms:.1%} of the median step)"
         if name in tflop and ms:
             achieved = tflop[name] / (ms / traced / 1e3)
-            text += f", {achieved:.3g} TFLOP/s" + (f" ({achieved / rate:.0%} of the matmul rate)" if rate else "")
+            text += f", {achieved:.3g} TFLOP/s" + (f" ({achieved / rate:.0%} of the BF16 matmul rate)" if rate else "")
         rows.append((f"  {name}", text))
     return rows
 
