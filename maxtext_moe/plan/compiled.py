@@ -3,11 +3,13 @@
 The analytical plan (`memory`) is arithmetic; XLA's buffer assignment is what a run gets. This compiles
 the step MaxText trains for the recipe's full device count without those devices (`upstream.aot`, in a
 subprocess that gets the recipe's environment before jax starts) and sets `compiled.memory_analysis()`
-beside the plan. Two routes, chosen by what this machine has:
+beside the plan. Three routes, chosen by what this machine has:
 
 - `gpu`: JAX's mock GPU topology over this machine's NVIDIA GPUs (XLA's GPU compiler, the recipe as is).
   Sharded autotuning is switched off: a sharded compile under the mock topology waits for peers that
   do not exist.
+- `gpu-aot`: on a machine without GPUs that has JAX's CUDA plugin (the `gpu` extra), XLA:GPU's deviceless
+  compile for the recipe's GPU kind and count (`upstream/deviceless.py`, the recipe as is).
 - `cpu`: N XLA:CPU host devices, with the recipe's hardware switched to what compiles there (our MoE
   block on `ragged_dot`, `dot_product` attention, no TE, no FP8). Its buffers are the CPU compiler's: how
   far they sit from a GPU compile's is unknown until the two are measured on the same recipe.
@@ -33,6 +35,7 @@ from maxtext_moe.plan import layout, memory
 from maxtext_moe.plan.model import Model
 from maxtext_moe.recipe import composition, maxtext_keys, validate, xla_flags
 from maxtext_moe.recipe.resolved import ResolvedRecipe
+from maxtext_moe.upstream import deviceless
 
 GIB = 2**30
 # XLA:CPU compiles one SPMD program whatever N is, but its partitioner and collective passes grow with the
@@ -63,11 +66,12 @@ CPU_SWITCHES = (
 
 @dataclass(frozen=True)
 class Route:
-    name: str  # "gpu" or "cpu"
+    name: str  # "gpu" (mock topology), "gpu-aot" (deviceless) or "cpu"
     description: str
     overrides: tuple[str, ...]  # added to the user's before the recipe is resolved for the compile
     env: dict[str, str]
     mock_gpu_topology: str | None
+    deviceless_topology: str | None = None  # "slices x hosts x GPUs" of the recipe's GPU kind, no device here
 
 
 def local_gpus() -> int:
@@ -92,11 +96,26 @@ def _data_stand_in(r: ResolvedRecipe) -> tuple[str, ...]:
     return ("dataset_type=synthetic",) if reads_prepared and not r.maxtext.get("grain_train_files") else ()
 
 
-def choose_route(r: ResolvedRecipe, gpus_here: int) -> Route:
-    """The mock GPU topology where this machine has GPUs and the recipe is for GPUs, else XLA:CPU devices."""
+def choose_route(r: ResolvedRecipe, gpus_here: int, deviceless_ok: bool = False) -> Route:
+    """The mock GPU topology where this machine has GPUs and the recipe is for GPUs; without GPUs, XLA:GPU's
+    deviceless compile when JAX's CUDA plugin is installed (`deviceless_ok`); else XLA:CPU devices."""
     n = r.topology.num_devices
     data = _data_stand_in(r)
-    if gpus_here and r.topology.profile.maxtext_hardware == "gpu":
+    gpu_recipe = r.topology.profile.maxtext_hardware == "gpu"
+    # MaxText bootstraps TE's NCCL EP before a te_moe_block step: real communicators between real processes.
+    # Without a GPU such a recipe takes the CPU route, which switches the block off.
+    te_moe_block = bool(r.effective("te_moe_block"))
+    if gpu_recipe and gpus_here and te_moe_block:
+        raise UserError(
+            "a recipe with TE's MoE block (te_moe_block) cannot be compiled on the mock GPU topology: MaxText "
+            "bootstraps TE's NCCL EP before the step (max_utils.maybe_bootstrap_te_moe), which opens real NCCL "
+            "communicators between real processes.",
+            key="te_moe_block",
+            fix="compile it without GPUs (CUDA_VISIBLE_DEVICES='', the CPU route switches the block off), or "
+            "run one step on the cluster (train RECIPE steps=1).",
+        )
+    flags = " ".join([r.env.get("XLA_FLAGS", os.environ.get("XLA_FLAGS", "")), MOCK_GPU_FLAGS]).strip()
+    if gpu_recipe and gpus_here:
         if n % gpus_here:
             raise UserError(
                 f"the recipe's {n} GPUs are not a whole number of hosts of this machine's {gpus_here} GPU(s): "
@@ -104,23 +123,29 @@ def choose_route(r: ResolvedRecipe, gpus_here: int) -> Route:
                 key="topology",
                 fix=f"compile on a machine whose GPU count divides {n}, or without GPUs (CUDA_VISIBLE_DEVICES='').",
             )
-        if r.effective("te_moe_block"):
-            raise UserError(
-                "a recipe with TE's MoE block (te_moe_block) cannot be compiled on the mock GPU topology: MaxText "
-                "bootstraps TE's NCCL EP before the step (max_utils.maybe_bootstrap_te_moe), which opens real NCCL "
-                "communicators between real processes.",
-                key="te_moe_block",
-                fix="compile it without GPUs (CUDA_VISIBLE_DEVICES='', the CPU route switches the block off), or "
-                "run one step on the cluster (train RECIPE steps=1).",
-            )
         topo = f"1x{n // gpus_here}x{gpus_here}"
-        flags = " ".join([r.env.get("XLA_FLAGS", os.environ.get("XLA_FLAGS", "")), MOCK_GPU_FLAGS]).strip()
         return Route(
             "gpu",
             f"XLA:GPU on a mock topology {topo} ({n} devices, {n // gpus_here} processes) of this machine's GPU kind; "
             "nothing executed",
             data,
             {"XLA_FLAGS": flags},
+            topo,
+        )
+    if gpu_recipe and deviceless_ok and not te_moe_block:
+        hw, per_node = r.topology.profile, r.topology.gpus_per_node
+        topo = f"1x{n // per_node}x{per_node}" if n % per_node == 0 else f"1x1x{n}"
+        return Route(
+            "gpu-aot",
+            f"XLA:GPU deviceless for {n} {hw.name.upper()} GPUs (topology {topo}, SM {hw.compute_capability}) on a "
+            "machine without them; nothing executed, the dropless/overflow host checks left out",
+            data,
+            {
+                "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={n}",  # MaxText's device count
+                "JAX_PLATFORMS": "cpu",
+                "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1",  # the plugin's library check needs a driver
+            },
+            None,
             topo,
         )
     if n > MAX_CPU_DEVICES:
@@ -195,6 +220,9 @@ def compile_in_subprocess(
         "attention": compiled.attention,
         "num_devices": compiled.topology.num_devices,
         "mock_gpu_topology": route.mock_gpu_topology,
+        "deviceless": {"hardware": compiled.topology.profile.name, "topology": route.deviceless_topology}
+        if route.deviceless_topology
+        else None,
     }
     (work / "request.json").write_text(json.dumps(request, default=str), encoding="utf-8")
     log = work / "compile.log"
@@ -304,7 +332,8 @@ class CompiledPlan:
 
 def run(ref: str, overrides: Sequence[str], r: ResolvedRecipe, *, gpus_here: int | None = None) -> CompiledPlan:
     """Compile `ref` with `overrides` (already resolved as `r`) and set it beside `r`'s analytical memory."""
-    route = choose_route(r, local_gpus() if gpus_here is None else gpus_here)
+    gpus = local_gpus() if gpus_here is None else gpus_here
+    route = choose_route(r, gpus, deviceless_ok=not gpus and deviceless.available())
     compiled = validate.resolve(composition.compose(ref, [*overrides, *route.overrides]))
     lay = layout.from_recipe(r)
     result = compile_in_subprocess(compiled, route)

@@ -27,6 +27,9 @@ Each module names the gap it fills. `SYMBOLS` lists what they touch, so that one
 - `nccl_ep_bootstrap`: wraps `max_utils.maybe_bootstrap_te_moe` (called by `train_utils.setup_train_loop`) to
   bootstrap NCCL EP for our block with `moe.exchange: nccl_ep`.
 - `jax_coordination`: `jax._src.distributed.global_state.client`, the key-value store of a multi-process run.
+- `deviceless`: answers the trace-time GPU queries of JAX's cuDNN attention (`check_compute_capability`,
+  `is_cuda_compute_capability_equal`) and TE (`get_device_compute_capability`), and drops `jax.debug.callback`,
+  to compile for GPUs on a machine without one (`jax.experimental.topologies.get_topology_desc`).
 """
 
 from __future__ import annotations
@@ -80,7 +83,11 @@ SYMBOLS: tuple[tuple[str, str, str], ...] = (
     ("orbax-checkpoint", "orbax.checkpoint.type_handlers", "ParamInfo"),
     ("jax", "jax._src.distributed", "global_state.client"),
     ("jax", "jax._src.xla_bridge", "MOCK_GPU_TOPOLOGY"),
+    ("jax", "jax._src.cudnn.fused_attention_stablehlo", "check_compute_capability"),
+    ("jax", "jax._src.cudnn.fused_attention_stablehlo", "is_cuda_compute_capability_equal"),
+    ("jax", "jax.experimental.topologies", "get_topology_desc"),
     ("transformer-engine-jax", "transformer_engine.jax.cpp_extensions.gemm", "_v2_grouped_gemm_available"),
     ("transformer-engine-jax", "transformer_engine.jax.dense", "grouped_dense"),
     ("transformer-engine-jax", "transformer_engine.jax.quantize", "QuantizerFactory.create_set"),
+    ("transformer-engine-jax", "transformer_engine.jax.quantize.device_utils", "get_device_compute_capability"),
 )

@@ -13,8 +13,9 @@ The gaps, filled here: its `get_topology_mesh` either asks for a TPU topology or
 `mock_num_gpu_processes` from `compile_topology_num_slices` and looks `compile_topology` up in a table
 of TPU/A3-style systems with 8 GPUs per host. We instead turn on JAX's `jax_mock_gpu_topology`
 ("slices x hosts x GPUs per host", GPUs per host = this machine's real count) before the first device
-use, or, without a GPU, run on N XLA:CPU host devices; then build the mesh from `jax.devices()` with
-MaxText's `create_device_mesh`, as `get_topology_mesh` does after choosing its devices. And MaxText's
+use; or, without a GPU, describe the recipe's GPUs deviceless (`deviceless.py`; N XLA:CPU host devices
+stand in for MaxText's device count) or run on N XLA:CPU host devices; then build the mesh from those
+devices with MaxText's `create_device_mesh`, as `get_topology_mesh` does after choosing its devices. And MaxText's
 `train.run` runs its step inside `max_utils.maybe_get_transformer_engine_context` (TE's global
 `MeshResource`) and under the mesh, while `train_compile.jit_and_compile` calls `compile()` outside both:
 TE's FP8 dense GEMMs, partitioned during `compile()`, then find no mesh resource or an empty mesh. We
@@ -32,15 +33,15 @@ from pathlib import Path
 from typing import Any
 
 
-def _mesh(config: Any) -> Any:
-    """`train_compile.get_topology_mesh` after its device choice: MaxText's mesh over `jax.devices()`."""
+def _mesh(config: Any, devices: list[Any]) -> Any:
+    """`train_compile.get_topology_mesh` after its device choice: MaxText's mesh over `devices`."""
     import jax
     from jax.sharding import AxisType, Mesh
     from maxtext.common.common_types import ShardMode
     from maxtext.utils import maxtext_utils
 
     jax.config.update("jax_remove_size_one_mesh_axis_from_type", config.remove_size_one_mesh_axis_from_type)
-    devices = maxtext_utils.create_device_mesh(config, jax.devices())
+    devices = maxtext_utils.create_device_mesh(config, devices)
     kind = AxisType.Explicit if config.shard_mode == ShardMode.EXPLICIT else AxisType.Auto
     return Mesh(devices, config.mesh_axes, axis_types=(kind,) * len(config.mesh_axes))
 
@@ -105,9 +106,17 @@ def compile_step(request: dict[str, Any]) -> dict[str, Any]:
         if request["attention"].get("residuals") == "save":
             remat.install()
         config = maxtext_config.check(request["maxtext"], request["sources"])
-        if len(jax.devices()) != request["num_devices"]:
-            raise RuntimeError(f"{len(jax.devices())} devices visible, {request['num_devices']} requested")
-        mesh = _mesh(config)
+        devices = jax.devices()  # on the deviceless route: stand-ins for MaxText's device count, not compiled for
+        if request.get("deviceless"):
+            from maxtext_moe.recipe.hardware import profile
+            from maxtext_moe.upstream import deviceless
+
+            hw = profile(request["deviceless"]["hardware"])
+            deviceless.patch(hw.compute_capability)
+            devices = deviceless.devices(hw, request["deviceless"]["topology"])
+        if len(jax.devices()) != request["num_devices"] or len(devices) != request["num_devices"]:
+            raise RuntimeError(f"{len(devices)} devices visible, {request['num_devices']} requested")
+        mesh = _mesh(config, devices)
         args, kwargs, state_shardings, _, model = train_compile.get_shaped_inputs(mesh, config)
         params_shardings, state_shardings = sharding.maybe_update_params_sharding_with_opt(config, state_shardings)
         input_shardings = sharding.build_zero1_input_state_mesh_shardings(config, state_shardings, params_shardings)
@@ -131,7 +140,6 @@ def compile_step(request: dict[str, Any]) -> dict[str, Any]:
                 logical_axis_rules(config.logical_axis_rules),
             )
         seconds = time.monotonic() - start
-    devices = jax.devices()
     return {
         "memory": memory_fields(compiled.memory_analysis()),
         "state_bytes": _shard_bytes(args[0], input_shardings),

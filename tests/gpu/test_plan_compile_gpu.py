@@ -1,7 +1,9 @@
-"""`plan --compile` on a GPU: the mock-topology route compiles a sharded step with TE's FP8 dense GEMMs.
+"""`plan --compile` for GPUs: the mock-topology route compiles a sharded step with TE's FP8 dense GEMMs, and
+the deviceless route compiles for GPUs that are not there.
 
 MaxText's AOT tool compiles outside TE's global MeshResource, and XLA's partitioner then stopped in TE's
-amax all-reduce ("Global mesh resource is not set") on every 671B recipe (H200, 2026-12-01)."""
+amax all-reduce ("Global mesh resource is not set") on every 671B recipe (H200, 2026-12-01). The
+deviceless route needs JAX's CUDA plugin and TE, not a GPU: it runs wherever the `gpu` extra is installed."""
 
 from __future__ import annotations
 
@@ -13,6 +15,10 @@ import sys
 import jax
 import pytest
 from conftest import REPO
+
+from maxtext_moe.upstream import deviceless
+
+GIB = 2**30
 
 
 @pytest.mark.gpu
@@ -32,3 +38,25 @@ def test_sharded_compile_with_te_fp8_dense_gemms() -> None:
     result = json.loads(r.stdout)
     assert result["route"] == "gpu" and result["compiled"]["devices"] == 2
     assert 0.5 < result["state_compiled_over_planned"] < 1.5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not deviceless.available(), reason="needs JAX's CUDA plugin (the gpu extra)")
+def test_deviceless_compile_of_the_ep2_proxy_is_close_to_the_gpu_compile() -> None:
+    """No GPU used: the two-H200 EP2 proxy compiled for two described H200s, against the mock-topology compile
+    of the same recipe on a real H200 (docs/results/plan_compile_h200_proxy_2gpu.json)."""
+    r = subprocess.run(
+        [sys.executable, "-m", "maxtext_moe", "plan", "deepseek3-proxy-h200-2gpu", "--compile", "--json"],
+        cwd=REPO,
+        env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(r.stdout)
+    compiled = result["compiled"]
+    assert result["route"] == "gpu-aot" and compiled["devices"] == 2 and "H200" in compiled["device_kind"]
+    assert compiled["mesh"]["expert"] == 2 and result["state_compiled_over_planned"] == pytest.approx(1.0, abs=0.01)
+    on_gpu = json.loads((REPO / "docs/results/plan_compile_h200_proxy_2gpu.json").read_text())["compiled"]
+    assert compiled["device_total_bytes"] == pytest.approx(on_gpu["device_total_bytes"], rel=0.05)

@@ -33,6 +33,32 @@ def test_without_a_gpu_the_recipe_is_switched_to_cpu_kernels_and_large_counts_re
     assert e.value.fix
 
 
+def test_without_a_gpu_but_with_jax_cuda_plugin_the_recipe_compiles_deviceless_for_its_own_gpus() -> None:
+    route = compiled.choose_route(resolve("deepseek3-671b-h200-128", []), gpus_here=0, deviceless_ok=True)
+    assert route.name == "gpu-aot" and route.deviceless_topology == "1x16x8" and route.mock_gpu_topology is None
+    assert route.overrides == ("dataset_type=synthetic",)  # the recipe as is, but for the corpus stand-in
+    assert route.env["JAX_PLATFORMS"] == "cpu" and route.env["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] == "1"
+    assert route.env["XLA_FLAGS"].endswith(f"{compiled.MOCK_GPU_FLAGS} --xla_force_host_platform_device_count=128")
+    assert "--xla_gpu_enable_latency_hiding_scheduler=true" in route.env["XLA_FLAGS"]  # the recipe's own flags
+    one = compiled.choose_route(resolve("deepseek3-proxy-h200-1gpu", []), gpus_here=0, deviceless_ok=True)
+    assert one.deviceless_topology == "1x1x1" and "H200" in one.description
+    gpu_here = compiled.choose_route(resolve("deepseek3-proxy-h200-1gpu", []), gpus_here=1, deviceless_ok=True)
+    assert gpu_here.name == "gpu"  # a GPU here compiles on it, kernels as that GPU picks them
+    cpu_recipe = compiled.choose_route(resolve("deepseek3-tiny-cpu", []), gpus_here=0, deviceless_ok=True)
+    assert cpu_recipe.name == "cpu"
+
+
+def test_deviceless_target_describes_the_recipes_gpu_kind() -> None:
+    from maxtext_moe.recipe.hardware import profile
+    from maxtext_moe.upstream import deviceless
+
+    h200, gb300 = deviceless.target_config(profile("h200")), deviceless.target_config(profile("gb300"))
+    assert "cuda_compute_capability { major: 9 minor: 0 }" in h200 and "core_count: 132" in h200
+    assert f"device_memory_size: {143_771 * 2**20}" in h200
+    assert "cuda_compute_capability { major: 10 minor: 3 }" in gb300 and "core_count: 160" in gb300
+    assert f"device_memory_size: {288 * 10**9}" in gb300
+
+
 def test_device_total_counts_donated_buffers_once() -> None:
     mem = {"argument_size": 10, "output_size": 10, "alias_size": 10, "temp_size": 5, "generated_code_size": 1}
     assert compiled.device_total(mem) == 16
@@ -49,12 +75,13 @@ def test_local_gpus_are_the_visible_ones(monkeypatch: pytest.MonkeyPatch) -> Non
     assert compiled.local_gpus() == 0
 
 
-def test_te_moe_block_recipes_are_sent_to_the_cpu_route_not_the_mock_topology() -> None:
+def test_te_moe_block_recipes_are_sent_to_the_cpu_route_not_a_gpu_one() -> None:
     """MaxText bootstraps TE's NCCL EP before a te_moe_block step; under the mock topology the compile stopped
     with "TE MoE EP has not been bootstrapped yet" (H200, 2026-12-01). Refused up front with the way round."""
     published = resolve("deepseek3-671b-published-gb200-128", [])
     with pytest.raises(UserError, match="NCCL EP") as e:
         compiled.choose_route(published, gpus_here=1)
     assert e.value.key == "te_moe_block" and "CUDA_VISIBLE_DEVICES=''" in e.value.fix
-    route = compiled.choose_route(published, gpus_here=0)
-    assert route.name == "cpu" and "te_moe_block=false" in route.overrides
+    for deviceless_ok in (False, True):  # not the deviceless compile either: it would bootstrap the same way
+        route = compiled.choose_route(published, gpus_here=0, deviceless_ok=deviceless_ok)
+        assert route.name == "cpu" and "te_moe_block=false" in route.overrides

@@ -1,0 +1,98 @@
+"""Compile for NVIDIA GPUs on a machine that has none: XLA's deviceless ahead-of-time compilation.
+
+JAX's CUDA plugin (`jax[cuda13]`, in the `gpu` extra) describes a GPU topology from a target config
+without a device (`jax.experimental.topologies.get_topology_desc(platform="cuda", target_config=...)`),
+and XLA:GPU compiles a sharded program for its devices, so `plan --compile` can give a GPU compile's
+memory on a login node or this project's CPU machine. What stands in the way is library code that asks the
+live GPU while the step is traced, which these patches answer with the target's figures instead:
+- Transformer Engine's `get_device_compute_capability` (FP8 support, the cuBLAS workspace size), imported
+  by name into several of its modules;
+- JAX's cuDNN attention (`check_compute_capability`, `is_cuda_compute_capability_equal`);
+- host callbacks (`jax.debug.callback`), which need a live backend to lower: our dropless and EP overflow
+  checks (`moe/layer.py`, `moe/receive.py`) send one scalar to the host; they are left out of this compile.
+The plugin's own start-up check of the CUDA libraries needs a driver and is skipped
+(`JAX_SKIP_CUDA_CONSTRAINTS_CHECK`, set by `plan.compiled`).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from maxtext_moe.recipe.hardware import Hardware
+
+# SMs per GPU, by hardware profile: a figure of the target config the profiles do not hold.
+SM_COUNT = {"h100": 132, "h200": 132, "gb200": 148, "gb300": 160}
+# Device memory as the driver reports it (nvidia-smi's MiB), which XLA's scheduler weighs against the
+# step's buffers: the compiled temporaries move with it (one H200 proxy: 58.4 GiB at 141 GiB, 59.8 at this
+# figure). Hopper's are read off the GPUs; Blackwell's are the vendor figures until read off one.
+DEVICE_MEMORY_BYTES = {"h100": 81_559 * 2**20, "h200": 143_771 * 2**20}
+
+
+def available() -> bool:
+    """Whether JAX's CUDA plugin is installed here (checked without starting jax)."""
+    from importlib.util import find_spec
+
+    return find_spec("jax_plugins.xla_cuda13") is not None or find_spec("jax_plugins.xla_cuda12") is not None
+
+
+def target_config(hw: Hardware) -> str:
+    """XLA's `GpuTargetConfig` text for a device of profile `hw` (CUDA 13, cuDNN 9)."""
+    major, minor = hw.compute_capability or (0, 0)
+    return f"""
+gpu_device_info {{
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: 233472
+  threads_per_core_limit: 2048
+  core_count: {SM_COUNT[hw.name]}
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: {int(hw.hbm_tbps * 1e12)}
+  l2_cache_size: 52428800
+  clock_rate_ghz: 1.98
+  device_memory_size: {DEVICE_MEMORY_BYTES.get(hw.name, int(hw.hbm_gb * 1e9))}
+  shared_memory_per_block_optin: 232448
+  cuda_compute_capability {{ major: {major} minor: {minor} }}
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 19 }}
+runtime_version {{ major: 13 minor: 0 }}
+device_description_str: "NVIDIA {hw.name.upper()} (deviceless target)"
+"""
+
+
+def devices(hw: Hardware, topology: str) -> list[Any]:
+    """The devices of a `slices x hosts x GPUs` topology of `hw` GPUs, described without any GPU."""
+    from jax.experimental import topologies
+
+    return list(
+        topologies.get_topology_desc(platform="cuda", target_config=target_config(hw), topology=topology).devices
+    )
+
+
+def patch(compute_capability: tuple[int, int]) -> None:
+    """Answer the libraries' trace-time GPU queries with `compute_capability` and drop host callbacks (see
+    the module docstring). Call once, before the step is traced."""
+    import jax
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+
+    def version(text: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in text.split("."))
+
+    cudnn_attention.check_compute_capability = lambda c: compute_capability >= version(c)
+    cudnn_attention.is_cuda_compute_capability_equal = lambda c: compute_capability == version(c)
+    jax.debug.callback = lambda *args, **kwargs: None
+    try:
+        import transformer_engine.jax.cpp_extensions.gemm  # noqa: F401  (loads every module that asks)
+    except ImportError:  # a recipe without TE traces no TE code
+        return
+    sm = 10 * compute_capability[0] + compute_capability[1]
+    for name, module in list(sys.modules.items()):
+        if name.startswith("transformer_engine") and hasattr(module, "get_device_compute_capability"):
+            module.get_device_compute_capability = lambda *args, **kwargs: sm
