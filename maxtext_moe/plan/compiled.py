@@ -139,7 +139,8 @@ def choose_route(r: ResolvedRecipe, gpus_here: int, deviceless_ok: bool = False)
         topo = f"1x{n // per_node}x{per_node}" if n % per_node == 0 else f"1x1x{n}"
         return Route(
             "gpu-aot",
-            f"XLA:GPU deviceless for {n} {hw.name.upper()} GPUs (topology {topo}, SM {hw.compute_capability}) on a "
+            f"XLA:GPU deviceless for {n} {hw.name.upper()} GPUs (topology {topo}, SM "
+            f"{'.'.join(map(str, hw.compute_capability or ()))}) on a "
             "machine without them; nothing executed, the dropless/overflow host checks left out",
             data,
             {

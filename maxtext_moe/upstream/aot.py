@@ -15,8 +15,8 @@ of TPU/A3-style systems with 8 GPUs per host. We instead turn on JAX's `jax_mock
 ("slices x hosts x GPUs per host", GPUs per host = this machine's real count) before the first device
 use; or, without a GPU, describe the recipe's GPUs deviceless (`deviceless.py`; N XLA:CPU host devices
 stand in for MaxText's device count) or run on N XLA:CPU host devices; then build the mesh from those
-devices with MaxText's `create_device_mesh`, as `get_topology_mesh` does after choosing its devices. And MaxText's
-`train.run` runs its step inside `max_utils.maybe_get_transformer_engine_context` (TE's global
+devices with MaxText's `create_device_mesh`, as `get_topology_mesh` does after choosing its devices. And
+MaxText's `train.run` runs its step inside `max_utils.maybe_get_transformer_engine_context` (TE's global
 `MeshResource`) and under the mesh, while `train_compile.jit_and_compile` calls `compile()` outside both:
 TE's FP8 dense GEMMs, partitioned during `compile()`, then find no mesh resource or an empty mesh. We
 compile inside both, and report the error that context hides (`maxtext_errors`).
@@ -115,7 +115,10 @@ def compile_step(request: dict[str, Any]) -> dict[str, Any]:
             deviceless.patch(hw.compute_capability)
             devices = deviceless.devices(hw, request["deviceless"]["topology"])
         if len(jax.devices()) != request["num_devices"] or len(devices) != request["num_devices"]:
-            raise RuntimeError(f"{len(devices)} devices visible, {request['num_devices']} requested")
+            raise RuntimeError(
+                f"{len(jax.devices())} devices visible, {len(devices)} to compile for, "
+                f"{request['num_devices']} requested"
+            )
         mesh = _mesh(config, devices)
         args, kwargs, state_shardings, _, model = train_compile.get_shaped_inputs(mesh, config)
         params_shardings, state_shardings = sharding.maybe_update_params_sharding_with_opt(config, state_shardings)
