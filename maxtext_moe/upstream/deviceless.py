@@ -33,6 +33,8 @@ def available() -> bool:
     """Whether JAX's CUDA plugin is installed here (checked without starting jax)."""
     from importlib.util import find_spec
 
+    if find_spec("jax_plugins") is None:  # a submodule's find_spec raises when its package is missing
+        return False
     return find_spec("jax_plugins.xla_cuda13") is not None or find_spec("jax_plugins.xla_cuda12") is not None
 
 
