@@ -27,6 +27,7 @@ from maxtext_moe.recipe import xla_flags
 from maxtext_moe.recipe.resolved import ResolvedRecipe
 from maxtext_moe.recipe.validate import FP8_QUANTIZATIONS, MXFP8
 from maxtext_moe.run import distributed
+from maxtext_moe.upstream import deviceless
 
 GPU_FIX = "run it on a GPU machine with jax[cuda13]==0.11.2 (pip install '.[gpu]'), or choose a CPU recipe"
 NCCL_EP_MIN = (2, 30, 4)  # what TE 2.20.2's ep_dispatch/ep_combine need
@@ -55,6 +56,7 @@ class Machine:
     nccl: tuple[int, int, int] | None  # the libnccl.so.2 TE's NCCL EP binds (see `loaded_nccl_code`)
     host_mem_gib: float
     nccl_ep_lib: str | None = None  # TE's libnccl_ep.so, None when TE (or the library) is absent
+    cuda_plugin: bool = False  # JAX's CUDA plugin is installed: `plan --compile` can compile for GPUs without one
 
 
 @dataclass(frozen=True)
@@ -162,6 +164,7 @@ def probe() -> Machine:
         nccl=nccl_version(nccl) if nccl else None,
         host_mem_gib=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,
         nccl_ep_lib=nccl_ep_lib_path(),
+        cuda_plugin=deviceless.available(),
     )
 
 
@@ -297,8 +300,27 @@ def compare(m: Machine, r: ResolvedRecipe) -> list[Line]:
                 )
             )
     lines.append(_nccl_line(m, r, te_ok))
+    if gpu:
+        lines.append(_compile_line(m, r))
     lines.append(Line("host memory", f"{m.host_mem_gib:.0f} GiB", "info"))
     return lines
+
+
+def _compile_line(m: Machine, r: ResolvedRecipe) -> Line:
+    """Which compiler `plan RECIPE --compile` would give its figures from on this machine, by `compiled`'s rule."""
+    from maxtext_moe.plan import compiled
+
+    gpus = m.local_devices if m.backend == "gpu" else 0
+    try:
+        route = compiled.choose_route(r, gpus, deviceless_ok=not gpus and m.cuda_plugin)
+    except UserError as e:
+        return Line("plan --compile", f"refused here ({e.key})", "info", e.fix or "")
+    have = {
+        "gpu": "XLA:GPU on a mock topology of this machine's GPUs",
+        "gpu-aot": f"XLA:GPU for {r.topology.num_devices} {r.topology.profile.name} GPUs without them (deviceless)",
+        "cpu": "XLA:CPU stand-in, not a GPU's buffers (pip install '.[gpu]' for XLA:GPU's without a GPU)",
+    }[route.name]
+    return Line("plan --compile", have, "info")
 
 
 def _nccl_line(m: Machine, r: ResolvedRecipe, te_ok: bool) -> Line:

@@ -75,6 +75,8 @@ def test_gpu_recipe_on_this_cpu_machine_exits_nonzero_with_fixes():
         "transformer-engine" in line and "moe.gemm=te" in line and "pip install '.[gpu]'" in line for line in gap_lines
     )
     assert r.stdout.splitlines()[-1].startswith(f"{H200_RECIPE}: cannot run here")
+    compile_line = next(c for c in report["checks"] if c["item"] == "plan --compile")["have"]
+    assert compile_line.startswith("XLA:GPU for 128" if report["machine"]["cuda_plugin"] else "XLA:CPU stand-in")
 
 
 TE_BLOCK = ["moe.impl=maxtext", "te_moe_block=true", "prefuse_moe_weights=true", "te_gmm_quantization=te_no_quant"]
@@ -89,6 +91,24 @@ def test_h200_with_old_nccl_runs_our_block_and_takes_the_v1_grouped_gemm():
     assert gemm.have.startswith("V1 per-group") and "130100" in gemm.have
     te_block = _gaps(doctor.compare(_h200(), resolve(H200_RECIPE, TE_BLOCK)))
     assert set(te_block) == {"nccl"} and "2.30.4" in te_block["nccl"]
+
+
+def test_plan_compile_line_names_the_compiler_this_machine_gives() -> None:
+    """A login node without GPUs: XLA:GPU deviceless when JAX's CUDA plugin is there, else the CPU stand-in."""
+    login = dict(backend="cpu", device_kind="cpu", local_devices=1, compute_capability=None)
+    r = resolve(H200_RECIPE, [])
+
+    def line(m: doctor.Machine, recipe=r) -> str:
+        return next(x.have for x in doctor.compare(m, recipe) if x.item == "plan --compile")
+
+    assert line(_h200(**login, cuda_plugin=True)) == "XLA:GPU for 128 h200 GPUs without them (deviceless)"
+    assert line(_h200(**login)).startswith("XLA:CPU stand-in")
+    assert line(_h200()) == "XLA:GPU on a mock topology of this machine's GPUs"
+    te_block = resolve(H200_RECIPE, TE_BLOCK)
+    assert line(_h200(), te_block) == "refused here (te_moe_block)"
+    refused = next(x for x in doctor.compare(_h200(), te_block) if x.item == "plan --compile")
+    assert refused.status == "info" and refused.fix.startswith("compile it without GPUs")
+    assert line(_h200(**login, cuda_plugin=True), te_block).startswith("XLA:CPU stand-in")  # the block switched off
 
 
 def test_h200_with_new_nccl_and_cublas_has_no_gaps_and_v2():
