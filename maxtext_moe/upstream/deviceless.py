@@ -39,7 +39,8 @@ def available() -> bool:
 
 
 def target_config(hw: Hardware) -> str:
-    """XLA's `GpuTargetConfig` text for a device of profile `hw` (CUDA 13, cuDNN 9)."""
+    """XLA's `GpuTargetConfig` text for a device of profile `hw` (CUDA 13, cuDNN 9). SMs, memory, bandwidth and
+    compute capability are the kind's; the other fields are Hopper's, inputs to XLA's cost models."""
     major, minor = hw.compute_capability or (0, 0)
     return f"""
 gpu_device_info {{
