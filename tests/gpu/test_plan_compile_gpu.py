@@ -40,13 +40,13 @@ def test_sharded_compile_with_te_fp8_dense_gemms() -> None:
     assert 0.5 < result["state_compiled_over_planned"] < 1.5
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not deviceless.available(), reason="needs JAX's CUDA plugin (the gpu extra)")
-def test_deviceless_compile_of_the_ep2_proxy_is_close_to_the_gpu_compile() -> None:
-    """No GPU used: the two-H200 EP2 proxy compiled for two described H200s, against the mock-topology compile
-    of the same recipe on a real H200 (docs/results/plan_compile_h200_proxy_2gpu.json)."""
+NEEDS_PLUGIN = pytest.mark.skipif(not deviceless.available(), reason="needs JAX's CUDA plugin (the gpu extra)")
+
+
+def _compile_without_gpu(*args: str) -> dict:
+    """`plan ARGS --compile --json` with no GPU visible: the deviceless route where the plugin is installed."""
     r = subprocess.run(
-        [sys.executable, "-m", "maxtext_moe", "plan", "deepseek3-proxy-h200-2gpu", "--compile", "--json"],
+        [sys.executable, "-m", "maxtext_moe", "plan", *args, "--compile", "--json"],
         cwd=REPO,
         env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
         capture_output=True,
@@ -54,7 +54,15 @@ def test_deviceless_compile_of_the_ep2_proxy_is_close_to_the_gpu_compile() -> No
         timeout=900,
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    result = json.loads(r.stdout)
+    return json.loads(r.stdout)
+
+
+@pytest.mark.gpu
+@NEEDS_PLUGIN
+def test_deviceless_compile_of_the_ep2_proxy_is_close_to_the_gpu_compile() -> None:
+    """No GPU used: the two-H200 EP2 proxy compiled for two described H200s, against the mock-topology compile
+    of the same recipe on a real H200 (docs/results/plan_compile_h200_proxy_2gpu.json)."""
+    result = _compile_without_gpu("deepseek3-proxy-h200-2gpu")
     compiled = result["compiled"]
     assert result["route"] == "gpu-aot" and compiled["devices"] == 2 and "H200" in compiled["device_kind"]
     assert compiled["mesh"]["expert"] == 2 and result["state_compiled_over_planned"] == pytest.approx(1.0, abs=0.01)
@@ -63,19 +71,10 @@ def test_deviceless_compile_of_the_ep2_proxy_is_close_to_the_gpu_compile() -> No
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not deviceless.available(), reason="needs JAX's CUDA plugin (the gpu extra)")
+@NEEDS_PLUGIN
 def test_ep_exchange_buffers_are_not_all_made_at_the_start_of_the_step() -> None:
     """XLA hoisted the EP exchange's constant-filled output buffers to the start of the step and fused them
     across layers: the 5-layer variant of the H200-128 recipe compiled to 70.4 GiB per GPU with them
     (docs/results/plan_compile_deviceless_671b_h200_128_5layers.json), 62.6 with each made behind its operand."""
-    r = subprocess.run(
-        [sys.executable, "-m", "maxtext_moe", "plan", "deepseek3-671b-h200-128", "base_num_decoder_layers=5"]
-        + ["--compile", "--json"],
-        cwd=REPO,
-        env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert json.loads(r.stdout)["compiled"]["device_total_bytes"] < 66 * GIB
+    result = _compile_without_gpu("deepseek3-671b-h200-128", "base_num_decoder_layers=5")
+    assert result["compiled"]["device_total_bytes"] < 66 * GIB
