@@ -112,3 +112,17 @@ def with_corpus(recipe_maxtext: dict, overrides: list[str], corpus: Path) -> lis
     if recipe_maxtext.get("tokenize_train_data") is False and recipe_maxtext.get("dataset_type") == "grain":
         return [*overrides, f"grain_train_files={corpus}"]
     return overrides
+
+
+def jaxpr_eqns(jaxpr) -> list:
+    """Every equation of a jaxpr, those of nested jaxprs (jit, custom_vjp, checkpoint) once per call."""
+    import jax.extend.core as jcore
+
+    eqns = []
+    for eqn in jaxpr.eqns:
+        eqns.append(eqn)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(sub, (jcore.Jaxpr, jcore.ClosedJaxpr)):
+                    eqns += jaxpr_eqns(getattr(sub, "jaxpr", sub))
+    return eqns

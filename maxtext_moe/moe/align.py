@@ -53,16 +53,32 @@ def align_groups(group_sizes: jax.Array, rows: int, align: int) -> GroupAlignmen
     padded_starts = jnp.cumsum(aligned) - aligned
 
     row = jnp.arange(rows, dtype=jnp.int32)
-    g = jnp.searchsorted(jnp.cumsum(sizes), row, side="right")  # G for rows after the last group
+    # The searches compare every row with the G group ends (one fused pass): JAX's default binary search is a
+    # loop over every row. G is an expert count, small.
+    g = jnp.searchsorted(jnp.cumsum(sizes), row, side="right", method="compare_all")  # G past the last group
     inside = g < groups
     g = jnp.minimum(g, groups - 1)
     dest = jnp.where(inside, padded_starts[g] + row - starts[g], total)
 
     slot = jnp.arange(total, dtype=jnp.int32)
-    pg = jnp.searchsorted(jnp.cumsum(aligned), slot, side="right")  # < G: the padded sizes sum to `total`
+    pg = jnp.searchsorted(jnp.cumsum(aligned), slot, side="right", method="compare_all")  # < G: sizes sum to `total`
     offset = slot - padded_starts[pg]
     src = jnp.where(offset < sizes[pg], starts[pg] + offset, rows)
     return GroupAlignment(aligned, src.astype(jnp.int32), dest.astype(jnp.int32))
+
+
+def compose(order: jax.Array, inverse: jax.Array, a: GroupAlignment) -> tuple[jax.Array, jax.Array]:
+    """A sort followed by the padding `a` of the sorted rows, as one pair of gather maps, so the rows are
+    copied once instead of twice each way (`take_rows(x, index, back)` and back, with fill).
+
+    `order` [R]: the row of x each sorted row holds; `inverse` [N]: each row's sorted position, R for a
+    row left out of the sort (a partial sort keeps only R of the N rows). Returns `index` [P]: the row of
+    x each padded row holds, N for a zero row; `back` [N]: each row's padded position, P for a row left out.
+    """
+    kept, total = order.shape[0], a.src.shape[0]
+    index = jnp.where(a.src < kept, order[jnp.minimum(a.src, kept - 1)], inverse.shape[0])
+    back = jnp.append(a.dest, jnp.int32(total))[inverse]
+    return index.astype(jnp.int32), back.astype(jnp.int32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

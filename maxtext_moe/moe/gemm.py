@@ -37,6 +37,12 @@ FP8_GROUP_ALIGN = 16
 # MXFP8 scales cover 32-element blocks and TE tiles them 128 rows at a time: groups padded to 128 rows.
 MXFP8_GROUP_ALIGN = 128
 
+
+def group_align(fp8: Fp8) -> int:
+    """Rows each expert group is padded to a multiple of before the grouped GEMM runs in mode `fp8`."""
+    return {"current_scaling": FP8_GROUP_ALIGN, "mxfp8": MXFP8_GROUP_ALIGN}.get(fp8, 1)
+
+
 TePath = Literal["v1", "v2"]
 # TE's single-kernel grouped GEMM ("V2", nvte_grouped_gemm) needs cuBLASLt >= 13.4 on Hopper; TE enables it
 # from its compile-time cuBLAS version, so a wheel built against 13.4 fails at run time on an older library.
@@ -80,13 +86,16 @@ def select_te_grouped_gemm_path(requested: str = "auto") -> TePath:
     return path
 
 
-def _te_fp8(dense: ModuleType, x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array, mode: Fp8) -> jax.Array:
+def _te_fp8(
+    dense: ModuleType, x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array, mode: Fp8, groups_aligned: bool
+) -> jax.Array:
     """TE's `grouped_dense` with FP8 operands: per-tensor current scaling (the amax of this call, E4M3 forward
     and E5M2 gradients; no scaling state to keep), or MXFP8 (E4M3 with one power-of-two scale per 32
     elements, TE's default MXFP8 recipe; Blackwell only, not yet run by this project).
 
     The dtypes are given explicitly: built from the scaling mode alone, TE's quantizer set does not run
-    on Hopper. Groups are padded around the call (`align.aligned`) to the rows the mode needs.
+    on Hopper. Groups are padded around the call (`align.aligned`) to the rows the mode needs, unless the
+    caller has padded them (`groups_aligned`).
     """
     quantize = importlib.import_module("transformer_engine.jax.quantize")
     mxfp8 = mode == "mxfp8"
@@ -97,8 +106,9 @@ def _te_fp8(dense: ModuleType, x_sorted: jax.Array, w: jax.Array, group_sizes: j
         n_groups=w.shape[0],
     )
     gemm = lambda xp, wp, sizes: dense.grouped_dense(xp, wp, sizes, quantizer_set=quantizers)  # noqa: E731
-    align = MXFP8_GROUP_ALIGN if mxfp8 else FP8_GROUP_ALIGN
-    return aligned(gemm, x_sorted, w, group_sizes, align).astype(x_sorted.dtype)
+    if groups_aligned:
+        return gemm(x_sorted, w, group_sizes).astype(x_sorted.dtype)
+    return aligned(gemm, x_sorted, w, group_sizes, group_align(mode)).astype(x_sorted.dtype)
 
 
 def grouped_matmul(
@@ -109,6 +119,7 @@ def grouped_matmul(
     fp8: Fp8 = "none",
     *,
     partial: bool = False,
+    groups_aligned: bool = False,
 ) -> jax.Array:
     """[M, K] rows sorted by group, [G, K, N] weights, [G] int32 sizes -> [M, N] in `x_sorted.dtype`.
 
@@ -119,6 +130,8 @@ def grouped_matmul(
 
     `partial=True` when the sizes may sum to less than M (the expert-parallel receive buffer): see
     `_tail_guarded`. With the default the caller promises they sum to M (the one-device layer).
+    `groups_aligned=True`: the caller has padded every group to `group_align(fp8)` rows and the groups cover
+    all M rows, so an FP8 GEMM needs no padding of its own (several GEMMs on the same rows pad them once).
     """
     if fp8 not in FP8_MODES:
         raise UserError(f"unknown FP8 mode {fp8!r} for the expert GEMMs.", fix=f"choose one of {', '.join(FP8_MODES)}.")
@@ -154,7 +167,7 @@ def grouped_matmul(
         dense, _ = te.import_te()
         select_te_grouped_gemm_path()
         if fp8 != "none":
-            return _te_fp8(dense, x_sorted, w, group_sizes, fp8)
+            return _te_fp8(dense, x_sorted, w, group_sizes, fp8, groups_aligned)
         return dense.grouped_dense(x_sorted, w, group_sizes).astype(x_sorted.dtype)
     raise UserError(f"unknown grouped-GEMM backend {backend!r}.", fix=f"choose one of {', '.join(BACKENDS)}.")
 

@@ -26,8 +26,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from maxtext_moe.errors import UserError
 from maxtext_moe.moe import balance, scopes
-from maxtext_moe.moe.align import take_rows
-from maxtext_moe.moe.gemm import grouped_matmul
+from maxtext_moe.moe.align import align_groups, compose, pad_rows, take_rows, unpad_rows
+from maxtext_moe.moe.gemm import group_align, grouped_matmul
 from maxtext_moe.moe.routing import Routing, RoutingConfig, route
 from maxtext_moe.moe.settings import DEFAULT_PATH, ExpertPath
 
@@ -122,6 +122,7 @@ def expert_mlp(
     path: ExpertPath,
     *,
     partial: bool = False,
+    groups_aligned: bool = False,
 ) -> jax.Array:
     """SiLU-GLU experts on rows sorted by expert: wo(silu(wi_0 x) * wi_1 x), one grouped GEMM each.
 
@@ -130,16 +131,55 @@ def expert_mlp(
     offloads the same tensors with either block, on one device or under expert parallelism. wi_1 also
     carries `mlpwi_1`, which MaxText's path leaves off: without it `remat_policy: minimal` (which saves
     `mlpwi_0`, `mlpwi_1`, `mlpwo`) recomputes the wi_1 grouped GEMM in the backward pass.
-    `partial`: the groups may end before the last row (see `grouped_matmul`).
+    `partial`: the groups may end before the last row (see `grouped_matmul`). An FP8 path pads the groups
+    once for the three GEMMs, unless the caller already has (`groups_aligned`, as `expert_mlp_on_copies`).
     """
+    align = group_align(path.fp8)
+    if align > 1 and not groups_aligned:
+        a = align_groups(group_sizes, x_sorted.shape[0], align)
+        return unpad_rows(expert_mlp(pad_rows(x_sorted, a), experts, a.group_sizes, path, groups_aligned=True), a)
     gmm = functools.partial(
-        grouped_matmul, group_sizes=group_sizes, backend=path.backend, fp8=path.fp8, partial=partial
+        grouped_matmul,
+        group_sizes=group_sizes,
+        backend=path.backend,
+        fp8=path.fp8,
+        partial=partial,
+        groups_aligned=groups_aligned,
     )
     with jax.named_scope(scopes.EXPERTS):
         h0 = checkpoint_name(checkpoint_name(gmm(x_sorted, experts["wi_0"]), "mlpwi_0"), "moe_mlpwi_0")
         h1 = checkpoint_name(checkpoint_name(gmm(x_sorted, experts["wi_1"]), "mlpwi_1"), "moe_mlpwi_1")
         act = (jax.nn.silu(h0.astype(jnp.float32)) * h1.astype(jnp.float32)).astype(x_sorted.dtype)
         return checkpoint_name(checkpoint_name(gmm(act, experts["wo"]), "mlpwo"), "moe_mlpwo")
+
+
+def expert_mlp_on_copies(
+    copies: jax.Array,
+    order: jax.Array,
+    inverse: jax.Array,
+    group_sizes: jax.Array,
+    experts: Params,
+    path: ExpertPath,
+    *,
+    partial: bool,
+) -> jax.Array:
+    """The experts on `copies` [N, D] in token order: sorted by expert (`order` [R] of the N, R < N when some
+    are left out; `inverse` [N], R for those), `expert_mlp`, back to token order [N, D] (zero where left out).
+
+    An FP8 path pads each group to the GEMM's row multiple inside the same gather that sorts (`align.compose`):
+    one copy of the rows each way, where padding after sorting would copy them twice.
+    `partial`: the groups may end before the R-th sorted row.
+    """
+    fill = order.shape[0] < copies.shape[0]
+    align = group_align(path.fp8)
+    if align > 1:
+        a = align_groups(group_sizes, order.shape[0], align)
+        (order, inverse), group_sizes, fill, partial = compose(order, inverse, a), a.group_sizes, True, False
+    with jax.named_scope(scopes.PERMUTE):
+        x_sorted = take_rows(copies, order, inverse, fill)
+    out = expert_mlp(x_sorted, experts, group_sizes, path, partial=partial, groups_aligned=align > 1)
+    with jax.named_scope(scopes.UNPERMUTE):
+        return take_rows(out, inverse, order, fill)
 
 
 def routed_experts(
@@ -154,14 +194,12 @@ def routed_experts(
     with jax.named_scope(scopes.ROUTING):
         routing = route(gate_logits(tokens, p["gate"]["kernel"]), p["gate"]["bias"], cfg.routing)
         order, inverse, group_sizes = sort_by_expert(routing.indices, cfg.routing.num_experts, cfg.check_dropless)
-    with jax.named_scope(scopes.PERMUTE):
-        x_sorted = take_rows(jnp.repeat(tokens, k, axis=0), order, inverse, False)
-    out_sorted = expert_mlp(x_sorted, p, group_sizes, path)
+    out = expert_mlp_on_copies(jnp.repeat(tokens, k, axis=0), order, inverse, group_sizes, p, path, partial=False)
     with jax.named_scope(scopes.UNPERMUTE):
-        out = take_rows(out_sorted, inverse, order, False).reshape(-1, k, cfg.emb_dim)
+        out = out.reshape(-1, k, cfg.emb_dim)
         weights = routing.weights.astype(tokens.dtype)
         routed = jnp.einsum("tkd,tk->td", out, weights, preferred_element_type=jnp.float32)
-    return routed, routing._replace(dropped=balance.dropped(x_sorted.shape[0], jnp.sum(group_sizes)))
+    return routed, routing._replace(dropped=balance.dropped(order.shape[0], jnp.sum(group_sizes)))
 
 
 def moe_forward(

@@ -22,8 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxtext_moe.errors import UserError
-from maxtext_moe.moe.align import take_rows
-from maxtext_moe.moe.layer import Params, expert_mlp, sort_by_expert
+from maxtext_moe.moe.layer import Params, expert_mlp_on_copies, sort_by_expert
 from maxtext_moe.moe.send_plan import DispatchPlan
 from maxtext_moe.moe.settings import ExpertPath
 
@@ -53,10 +52,8 @@ def expand_reduce(
     order, inverse, sizes = sort_by_expert(jnp.where(valid, flat, num_local), num_local + 1, check=False)
     sizes = sizes[:num_local]
     cap = flat.shape[0] if copies_cap is None else min(copies_cap, flat.shape[0])
-    part = cap < flat.shape[0]
     order, inverse = order[:cap], jnp.where(inverse < cap, inverse, cap)  # index cap: a copy left out
-    x_sorted = take_rows(jnp.repeat(x, slots, axis=0), order, inverse, part)
-    out = take_rows(expert_mlp(x_sorted, experts, sizes, path, partial=True), inverse, order, part)
+    out = expert_mlp_on_copies(jnp.repeat(x, slots, axis=0), order, inverse, sizes, experts, path, partial=True)
     out = jnp.where(valid[:, None], out, 0).reshape(rows, slots, -1)
     y = jnp.einsum("msd,ms->md", out, row_weights.astype(x.dtype), preferred_element_type=jnp.float32)
     return y, jnp.sum(valid, dtype=jnp.int32)

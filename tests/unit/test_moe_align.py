@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import sys
 import types
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import jaxpr_eqns
 
 from maxtext_moe.errors import UserError
 from maxtext_moe.moe import expert_parallel, gemm
-from maxtext_moe.moe.align import align_groups, aligned, pad_rows, padded_rows, unpad_rows
+from maxtext_moe.moe.align import align_groups, aligned, compose, pad_rows, padded_rows, take_rows, unpad_rows
 from maxtext_moe.moe.layer import MoEConfig, init_params, moe_forward
 from maxtext_moe.moe.routing import RoutingConfig
 from maxtext_moe.moe.settings import ExpertPath
@@ -127,13 +129,16 @@ def test_align_must_be_positive() -> None:
 def fake_te(monkeypatch: pytest.MonkeyPatch, align: int = gemm.FP8_GROUP_ALIGN) -> tuple[types.SimpleNamespace, dict]:
     """Stand-ins for TE's `dense` and `quantize` modules: grouped_dense enforces what the H200 enforced for
     FP8 (every group a multiple of `align` rows, counted in group_sizes, summing to the rows) and computes by
-    ragged_dot; create_set records its arguments."""
+    ragged_dot; create_set records its arguments. The layer's backend "te" reaches them."""
     seen: dict = {}
 
-    def grouped_dense(x: jax.Array, w: jax.Array, sizes: jax.Array, quantizer_set: object) -> jax.Array:
-        sizes_np = np.asarray(sizes)
-        assert np.all(sizes_np % align == 0) and sizes_np.sum() == x.shape[0]
-        seen["quantizer_set"] = quantizer_set
+    def check(sizes: np.ndarray, rows: int) -> None:
+        assert np.all(sizes % align == 0) and sizes.sum() == rows, (sizes, rows)
+
+    def grouped_dense(x: jax.Array, w: jax.Array, sizes: jax.Array, quantizer_set: object = None) -> jax.Array:
+        if quantizer_set is not None:  # FP8: checked when the GEMM runs, under jit too
+            seen["quantizer_set"] = quantizer_set
+            jax.debug.callback(check, sizes, x.shape[0])
         return ragged(x, w, sizes)
 
     def create_set(**kwargs: object) -> str:
@@ -145,7 +150,10 @@ def fake_te(monkeypatch: pytest.MonkeyPatch, align: int = gemm.FP8_GROUP_ALIGN) 
         ScalingMode=types.SimpleNamespace(CURRENT_TENSOR_SCALING="current", MXFP8_1D_SCALING="mxfp8"),
     )
     monkeypatch.setitem(sys.modules, "transformer_engine.jax.quantize", quantize)
-    return types.SimpleNamespace(grouped_dense=grouped_dense), seen
+    dense = types.SimpleNamespace(grouped_dense=grouped_dense)
+    monkeypatch.setattr(gemm.te, "import_te", lambda: (dense, None))
+    monkeypatch.setattr(gemm, "select_te_grouped_gemm_path", lambda requested="auto": "v1")
+    return dense, seen
 
 
 def test_te_fp8_call_aligns_groups_and_builds_the_quantizer_set(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -153,7 +161,7 @@ def test_te_fp8_call_aligns_groups_and_builds_the_quantizer_set(monkeypatch: pyt
     sizes = jnp.array([5, 0, 16, 17], jnp.int32)
     kx, kw = jax.random.split(jax.random.key(2))
     x, w = small_ints(kx, (38, K)).astype(jnp.bfloat16), small_ints(kw, (4, K, N)).astype(jnp.bfloat16)
-    y = gemm._te_fp8(dense, x, w, sizes, "current_scaling")
+    y = gemm._te_fp8(dense, x, w, sizes, "current_scaling", False)
     assert y.dtype == jnp.bfloat16 and y.shape == (38, N)
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(ragged(x, w, sizes)))
     assert seen["quantizer_set"] == "quantizers"
@@ -170,7 +178,7 @@ def test_te_mxfp8_call_pads_groups_to_128_rows_with_e4m3_both_ways(monkeypatch: 
     sizes = jnp.array([5, 0, 130, 3], jnp.int32)
     kx, kw = jax.random.split(jax.random.key(3))
     x, w = small_ints(kx, (138, K)).astype(jnp.bfloat16), small_ints(kw, (4, K, N)).astype(jnp.bfloat16)
-    y = gemm._te_fp8(dense, x, w, sizes, "mxfp8")
+    y = gemm._te_fp8(dense, x, w, sizes, "mxfp8", False)
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(ragged(x, w, sizes)))
     assert seen["create_set"] == {
         "scaling_mode": "mxfp8",
@@ -211,3 +219,43 @@ def test_fp8_reaches_the_grouped_gemm_under_expert_parallelism() -> None:
 def test_unknown_fp8_mode_is_a_user_error() -> None:
     with pytest.raises(UserError, match="current_scaling"):
         gemm.grouped_matmul(jnp.ones((4, K)), jnp.ones((2, K, N)), jnp.array([1, 3]), "te", fp8="e4m3")
+
+
+@pytest.mark.parametrize("kept", [25, 19])
+def test_composed_sort_and_padding_equal_the_two_steps(kept: int) -> None:
+    """`compose` gathers straight from the unsorted rows into the padded layout and back: the same rows as
+    sorting, then padding (a full sort, and a partial one that keeps `kept` of 25 rows)."""
+    rows, sizes = 25, jnp.array([3, 0, 9, 5], jnp.int32)  # 17 rows in the groups; the rest sort after them
+    x = jax.random.normal(jax.random.key(5), (rows, K))
+    order = jax.random.permutation(jax.random.key(6), rows)[:kept].astype(jnp.int32)
+    inverse = jnp.full((rows,), kept, jnp.int32).at[order].set(jnp.arange(kept, dtype=jnp.int32))
+    a = align_groups(sizes, kept, 16)
+    index, back = compose(order, inverse, a)
+    two_steps = pad_rows(take_rows(x, order, inverse, True), a)
+    np.testing.assert_array_equal(np.asarray(take_rows(x, index, back, True)), np.asarray(two_steps))
+    back_two_steps = take_rows(unpad_rows(two_steps, a), inverse, order, True)
+    np.testing.assert_array_equal(np.asarray(take_rows(two_steps, back, index, True)), np.asarray(back_two_steps))
+
+
+def test_fp8_layer_pads_inside_the_sort_with_no_extra_row_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-device layer with FP8 experts through a TE stand-in that enforces 16-row groups: the output and
+    gradients of the BF16 path, and as many row gathers (forward and backward): the padding rides on the
+    sort's gather and the unpadding on the unsort's, instead of one more gather each way per GEMM."""
+    fake_te(monkeypatch)
+    params = init_params(jax.random.key(7), CFG, jnp.float32)
+    x = jax.random.normal(jax.random.key(8), (24, CFG.emb_dim))
+    cot = jax.random.normal(jax.random.key(9), x.shape)
+
+    def step(path: ExpertPath) -> Callable:
+        return jax.value_and_grad(lambda p, x: jnp.sum(moe_forward(p, x, CFG, path)[0] * cot), (0, 1))
+
+    bf16, fp8 = ExpertPath(backend="te"), ExpertPath(backend="te", fp8="current_scaling")
+    (v, g), (v8, g8) = jax.jit(step(bf16))(params, x), jax.jit(step(fp8))(params, x)
+    np.testing.assert_allclose(v8, v, rtol=1e-6)
+    for got, want in zip(jax.tree.leaves(g8), jax.tree.leaves(g), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    gathers = [
+        sum(e.primitive.name == "gather" and jnp.issubdtype(e.outvars[0].aval.dtype, jnp.floating) for e in eqns)
+        for eqns in (jaxpr_eqns(jax.make_jaxpr(step(p))(params, x).jaxpr) for p in (bf16, fp8))
+    ]
+    assert gathers[0] > 0 and gathers[1] == gathers[0], gathers
