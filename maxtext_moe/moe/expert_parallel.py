@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from maxtext_moe.errors import UserError
 from maxtext_moe.moe import balance, nccl_ep, scopes
+from maxtext_moe.moe.backward_order import weight_grads_first
 from maxtext_moe.moe.exchange import exchange, transpose
 from maxtext_moe.moe.layer import MoEConfig, Params, check_dropless, gate_logits, shared_expert
 from maxtext_moe.moe.receive import expand_reduce, expert_copies, guard_capacity, receive_rows
@@ -97,12 +98,24 @@ def ep_routed(
 
 
 def _rank_routed(
-    gate: Params, experts: Params, x: jax.Array, *, cfg: MoEConfig, ranks: int, path: ExpertPath
+    gate: Params,
+    experts: Params,
+    x: jax.Array,
+    *,
+    cfg: MoEConfig,
+    ranks: int,
+    path: ExpertPath,
+    gather: dict[str, Gathers] | None = None,
 ) -> tuple[jax.Array, ...]:
     """`layer.routed_experts` on one rank's tokens `x` [..., D], with the experts spread over the ranks:
     (float32 output shaped like `x`, expert ids and weights [..., k], the (token, expert) copies the ranks
-    did not compute [1], the same on every rank of the group)."""
-    tokens = x.reshape(-1, cfg.emb_dim)
+    did not compute [1], the same on every rank of the group). `gather`: per weight, the mesh axes each of
+    its dimensions is gathered over first (`expert_gathers`)."""
+    for name, dims in (gather or {}).items():
+        for dim, axes in enumerate(dims):
+            if axes:
+                experts = {**experts, name: jax.lax.all_gather(experts[name], axes, axis=dim, tiled=True)}
+    tokens, experts = weight_grads_first(x.reshape(-1, cfg.emb_dim), experts)
     with jax.named_scope(scopes.ROUTING):
         routing = route(gate_logits(tokens, gate["kernel"]), gate["bias"], cfg.routing)
         plan = plan_dispatch(
@@ -148,6 +161,30 @@ def _routing(indices: jax.Array, weights: jax.Array, lost: jax.Array, ranks: int
 
 
 _EXPERT_KEYS = ("wi_0", "wi_1", "wo")
+Gathers = tuple[tuple[str, ...], ...]  # per dimension of a weight: the mesh axes it is gathered over
+
+
+def _axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def expert_gathers(spec: P, ndim: int, axis: str) -> Gathers | None:
+    """How a rank rebuilds its whole expert shard from an expert weight sharded as `spec`: per dimension, the
+    mesh axes to gather over (every axis but the expert axis). None when the layout does not allow it (the
+    expert axis is not the leading axis of the first dimension, or shards another dimension): the caller
+    then lets GSPMD gather at the shard_map boundary.
+
+    Why: a weight that enters the shard_map replicated over FSDP is gathered by GSPMD at the boundary, and
+    its gradient leaves it as an all-reduce of the whole shard over FSDP: at DeepSeek-V3 scale 0.94 GB per
+    weight, each kept until its collective runs. Gathered inside (`jax.lax.all_gather`), the gradient
+    leaves as the transpose, a reduce-scatter, FSDP's own pattern, and full remat re-gathers in the backward.
+    """
+    dims = [_axes(e) for e in spec] + [()] * (ndim - len(spec))
+    if not dims[0] or dims[0][0] != axis or any(axis in d for d in [dims[0][1:], *dims[1:]]):
+        return None
+    return tuple(tuple(a for a in d if a != axis) for d in dims)
+
+
 # The sharded drivers' exchange unless told otherwise: the real collective.
 _SHARDED = ExpertPath(exchange="ragged_all_to_all")
 
@@ -180,6 +217,7 @@ def ep_routed_sharded(
     token_spec: P,
     path: ExpertPath = _SHARDED,
     check_vma: bool | None = None,
+    expert_specs: dict[str, P] | None = None,
 ) -> tuple[jax.Array, Routing]:
     """The routed experts (`p`: MaxText's `MoeBlock_0` tree) on `x` [..., D] under `shard_map` over `mesh`:
     (float32 output shaped like `x`, the routing used).
@@ -187,8 +225,10 @@ def ep_routed_sharded(
     `token_spec` is how `x` is sharded (its last dimension unsharded); each device routes its own tokens
     and exchanges them over `path.axis_name` only, so other mesh axes (data, FSDP) stay independent groups,
     and a token axis that is not sharded over it is still correct (each rank then serves its copy).
-    The experts are split over that axis on their first dimension and replicated over the other axes
-    (GSPMD gathers any other sharding at the boundary), the gate is replicated. "ragged_all_to_all" and
+    The experts are split over that axis on their first dimension; `expert_specs` (each weight's own
+    sharding, e.g. also over FSDP) lets them enter as they are stored and be gathered inside
+    (`expert_gathers`); without it they enter replicated over the other axes (GSPMD gathers at the
+    boundary). The gate is replicated. "ragged_all_to_all" and
     "nccl_ep" are refused up front on CPU devices, where XLA would fail at compile time with an opcode error;
     "emulated" runs there (and on GPUs, as a cross-check of the real collective). "nccl_ep" hands the whole
     step to `nccl_ep.routed` (TE's NCCL EP dispatch and combine, which reshard the tokens themselves).
@@ -205,10 +245,14 @@ def ep_routed_sharded(
     axis = path.axis_name
     ranks = mesh.shape[axis]
     local_experts(cfg.routing.num_experts, ranks)  # our message, before shard_map's own about uneven shards
+    gather = {n: expert_gathers(s, p[n].ndim, axis) for n, s in (expert_specs or {}).items()}
+    if None in gather.values():
+        gather = {}
+    specs = {n: expert_specs[n] if gather else P(axis) for n in _EXPERT_KEYS}
     routed, indices, weights, lost = jax.shard_map(
-        functools.partial(_rank_routed, cfg=cfg, ranks=ranks, path=path),
+        functools.partial(_rank_routed, cfg=cfg, ranks=ranks, path=path, gather=gather),
         mesh=mesh,
-        in_specs=(P(), P(axis), token_spec),
+        in_specs=(P(), specs, token_spec),
         out_specs=(token_spec, token_spec, token_spec, P(mesh.axis_names)),  # lost: one entry per device
         check_vma=path.backend == "ragged_dot" if check_vma is None else check_vma,
     )(p["gate"], {n: p[n] for n in _EXPERT_KEYS}, x)

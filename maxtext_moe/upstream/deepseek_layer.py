@@ -44,12 +44,14 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import Mesh
 from maxtext.layers import moe as mt_moe
 from maxtext.models import deepseek
 
 from maxtext_moe.errors import UserError
 from maxtext_moe.moe import expert_parallel, gemm
+from maxtext_moe.moe.backward_order import weight_grads_first
 from maxtext_moe.moe.layer import MoEConfig, Params, gate_logits, routed_experts
 from maxtext_moe.moe.routing import Routing, RoutingConfig
 from maxtext_moe.moe.settings import EP_AXIS, GPU_EXCHANGES, ExpertPath, Impl, MoeSettings
@@ -141,6 +143,16 @@ class OurDeepSeekMoELayer(deepseek.DeepSeekMoELayer):
                 self.expert_path.buffer_factor,
             )
 
+    def __call__(self, inputs: jax.Array | tuple, *args: Any, **kwargs: Any) -> Any:
+        """MaxText's layer, with its input tied to its weights (`backward_order.weight_grads_first`): in the
+        backward, the layer below starts only once this layer's weight gradients, reduce-scattered over FSDP,
+        are made. Without it XLA left them, and the FP8 copies of their GEMM operands, to the end of the
+        backward pass: a 671B compile held them for every layer at once."""
+        x = inputs[0] if isinstance(inputs, tuple) else inputs
+        x, weights = weight_grads_first(x, nnx.state(self, nnx.Param))
+        nnx.update(self, weights)
+        return super().__call__(x, *args, **kwargs)
+
     def mlp_op(self, x: jax.Array, deterministic: bool, *args: Any, **kwargs: Any):
         """Replaces MaxText's `self.DeepSeekMoeBlock_0(x, ...)`: (output, load-balance loss, bias update)."""
         block = self.DeepSeekMoeBlock_0
@@ -193,12 +205,25 @@ def _expert_parallel(
     routed: mt_moe.RoutedMoE, params: Params, x: jax.Array, cfg: MoEConfig, settings: MoeSettings, path: ExpertPath
 ) -> tuple[jax.Array, Routing]:
     """The routed experts over MaxText's mesh through our dispatch: (float32 [tokens, D], routing), with the
-    token sharding MaxText's `sparse_matmul` gives its MoE input and its `ragged_buffer_factor`."""
+    token sharding MaxText's `sparse_matmul` gives its MoE input, its `ragged_buffer_factor`, and the expert
+    weights entering as MaxText stores them (gathered inside, see `expert_parallel.expert_gathers`)."""
     batch_axis = "activation_batch" if x.shape[0] > 1 else "decode_batch_moe"  # as `is_batch_sharded_by_ep`
     spec = routed._logical_to_mesh_axes((batch_axis, "activation_norm_length", None))
     path = dataclasses.replace(path, exchange=exchange_impl(routed.mesh, settings), axis_name=EP_AXIS)
+    expert_specs = {
+        "wi_0": routed._logical_to_mesh_axes(routed.wi_kernel_axes),
+        "wi_1": routed._logical_to_mesh_axes(routed.wi_kernel_axes),
+        "wo": routed._logical_to_mesh_axes(routed.wo_kernel_axes),
+    }
     out, routing = expert_parallel.ep_routed_sharded(
-        params, x, cfg, routed.mesh, token_spec=spec, path=path, check_vma=bool(routed.config.check_vma)
+        params,
+        x,
+        cfg,
+        routed.mesh,
+        token_spec=spec,
+        path=path,
+        check_vma=bool(routed.config.check_vma),
+        expert_specs=expert_specs,
     )
     return out.reshape(-1, cfg.emb_dim), routing
 
