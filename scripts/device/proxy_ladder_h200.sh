@@ -21,6 +21,7 @@ rung() {  # gpu, name[@tree], then overrides; writes NAME.json, NAME.log and NAM
   { echo "=== $name (GPU $gpu, $((SECONDS - t0)) s wall): $* rc=$rc"
     grep -E "^(step time|predicted|tokens/s|model TFLOPS|MFU|peak device|loss|profile|  [a-zA-Z])" "$W/$name.log" \
       || tail -4 "$W/$name.log"
+    [ $rc -eq 0 ] || tail -15 /tmp/runs/"$name"/*/maxtext.log 2>/dev/null  # where a failed or stopped rung was
   } > "$W/$name.summary"
 }
 if [ $# -eq 0 ]; then
