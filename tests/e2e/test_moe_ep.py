@@ -120,10 +120,12 @@ def _losses(out: Path, key: str) -> dict[int, float]:
     return {step: m[key] for step, m in read_metrics(out / RUN).items()}
 
 
-def test_ours_with_ep2_trains_as_maxtext_block(tmp_path: Path) -> None:
+def test_ours_with_ep2_or_fsdp2_trains_as_maxtext_block(tmp_path: Path) -> None:
     runs = {
         "ours": ["moe.impl=ours", "ici_expert_parallelism=2"],
         "maxtext": ["ici_expert_parallelism=1", "ici_fsdp_parallelism=2"],
+        # FSDP 2: our layer ties its input to its weights (backward_order), which must not change a value
+        "ours_fsdp": ["moe.impl=ours", "ici_expert_parallelism=1", "ici_fsdp_parallelism=2"],
     }
     for name, overrides in runs.items():
         r = run_cli(
@@ -132,9 +134,11 @@ def test_ours_with_ep2_trains_as_maxtext_block(tmp_path: Path) -> None:
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "expert parallelism 2 (exchange all_to_all" in (tmp_path / "ours" / RUN / "maxtext.log").read_text()
     ours, mt = _losses(tmp_path / "ours", "learning/loss"), _losses(tmp_path / "maxtext", "learning/loss")
-    assert sorted(ours) == list(range(STEPS)) == sorted(mt)
+    ours_fsdp = _losses(tmp_path / "ours_fsdp", "learning/loss")
+    assert sorted(ours) == list(range(STEPS)) == sorted(mt) == sorted(ours_fsdp)
     for step in range(STEPS):
         assert abs(ours[step] - mt[step]) <= RTOL * mt[step], (step, ours[step], mt[step])
+        assert abs(ours_fsdp[step] - mt[step]) <= RTOL * mt[step], (step, ours_fsdp[step], mt[step])
     assert ours[STEPS - 1] < ours[0] - 0.5, ours  # the loss moved, so "equal" compares trained models
     # Load balance through the sharded dispatch: the expert counts of all devices, as MaxText's block routes
     # the same tokens, and no copy lost in the exchange.
