@@ -26,12 +26,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from maxtext_moe.errors import UserError
-from maxtext_moe.plan import layout, memory
+from maxtext_moe.plan import layout, memory, peak
 from maxtext_moe.plan.model import Model
 from maxtext_moe.recipe import composition, maxtext_keys, validate, xla_flags
 from maxtext_moe.recipe.resolved import ResolvedRecipe
@@ -45,6 +45,8 @@ MAX_CPU_DEVICES = 256
 # machine; a compile shows progress every PROGRESS_EVERY_S and stops on Ctrl-C, so the limit only ends a hang.
 COMPILE_TIMEOUT_S = 4 * 3600
 PROGRESS_EVERY_S = 30.0
+# Where the recipe's XLA flags ask for the HLO dump; with one, the result names what is alive at the peak.
+_DUMP_TO = re.compile(r"--xla_dump_to=(\S+)")
 # JAX's own phase timings, logged by `upstream.aot` with `jax_log_compiles` on.
 _PHASE = re.compile(r"Finished ([^\n]*?) in ([0-9.]+) sec")
 # What XLA:GPU needs under the mock topology; see the module docstring. Autotuning is off altogether: it
@@ -278,6 +280,8 @@ class CompiledPlan:
     planned: memory.Memory
     planned_layout: str
     result: dict[str, Any]
+    at_peak: peak.Peak | None = None  # from the HLO dump, when the recipe's XLA flags asked for one
+    peak_note: str = ""  # why a dump asked for gave no peak
 
     @property
     def compiled_total(self) -> int:
@@ -307,6 +311,7 @@ class CompiledPlan:
             },
             "compiled_over_planned": self.compiled_total / self.planned.device_total,
             "state_compiled_over_planned": self.result["state_bytes"] / self.planned_state,
+            "at_peak": asdict(self.at_peak) if self.at_peak else None,
         }
 
     def render(self) -> str:
@@ -330,7 +335,23 @@ class CompiledPlan:
                 f"  host (offloaded) per device: compiled {host / GIB:.2f} GiB, planned "
                 f"{self.planned.host_total / GIB:.2f} GiB"
             )
+        if self.at_peak:
+            lines += ["  " + line for line in self.at_peak.render(top=10).splitlines()]
+        elif self.peak_note:
+            lines.append("  " + self.peak_note)
         return "\n".join(lines)
+
+
+def read_peak(r: ResolvedRecipe) -> tuple[peak.Peak | None, str]:
+    """XLA's peak from the HLO dump the recipe's flags asked for, or (None, why not); (None, "") without one.
+    The compile has succeeded by then, so an unreadable dump is a note, not an error."""
+    dump = _DUMP_TO.search(r.env.get("XLA_FLAGS", ""))
+    if dump is None:
+        return None, ""
+    try:
+        return peak.find_peak(Path(dump.group(1))), ""
+    except UserError as e:
+        return None, f"what is alive at XLA's peak: not read from {dump.group(1)}: {e}"
 
 
 def run(ref: str, overrides: Sequence[str], r: ResolvedRecipe, *, gpus_here: int | None = None) -> CompiledPlan:
@@ -340,4 +361,5 @@ def run(ref: str, overrides: Sequence[str], r: ResolvedRecipe, *, gpus_here: int
     compiled = validate.resolve(composition.compose(ref, [*overrides, *route.overrides]))
     lay = layout.from_recipe(r)
     result = compile_in_subprocess(compiled, route)
-    return CompiledPlan(r.name, route, memory.per_gpu(Model.from_recipe(r), lay), lay.describe(), result)
+    at_peak, note = read_peak(compiled)
+    return CompiledPlan(r.name, route, memory.per_gpu(Model.from_recipe(r), lay), lay.describe(), result, at_peak, note)

@@ -68,9 +68,10 @@ def _dump_files(dump_dir: Path, module: str) -> tuple[str, str, str]:
     found = sorted(dump_dir.glob(pattern), key=lambda p: p.stat().st_size)
     if not found:
         raise UserError(
-            f"no optimized-module dump of {module!r} in {dump_dir}.",
-            fix="compile with xla_flags.xla_dump_to=DIR xla_flags.xla_dump_hlo_as_text=true "
-            f"(and xla_flags.xla_dump_hlo_module_re={module} to keep the dump small).",
+            f"no buffer assignment of {module!r} in {dump_dir} (`{pattern}`).",
+            fix="compile for GPUs with xla_flags.xla_dump_to=DIR xla_flags.xla_dump_hlo_as_text=true "
+            f"(xla_flags.xla_dump_hlo_module_re={module} keeps the dump small); plan --compile's CPU route "
+            "writes no buffer assignment of MaxText's step.",
         )
     stem = str(found[-1]).removesuffix("-buffer-assignment.txt")
     texts = []

@@ -80,3 +80,13 @@ def test_a_long_compile_reports_its_progress_and_jax_phases() -> None:
     assert all(line.startswith("  compiling deepseek3-tiny-cpu: ") for line in lines)
     phases = [line.split("last finished: ")[1] for line in lines if "last finished: " in line]
     assert any(p.startswith(("tracing", "jaxpr to MLIR", "XLA compilation")) for p in phases), lines
+
+
+def test_a_dump_without_a_buffer_assignment_gives_a_note_after_the_compile(tmp_path) -> None:
+    """On the CPU route XLA writes no buffer assignment of MaxText's step: the compile's result stands and
+    says why there is no peak (tests/gpu/test_plan_compile_gpu.py reads one from a GPU compile)."""
+    dump = [f"xla_flags.xla_dump_to={tmp_path}", "xla_flags.xla_dump_hlo_as_text=true"]
+    r = run_cli("plan", "deepseek3-tiny-cpu", *dump, "xla_flags.xla_dump_hlo_module_re=jit_train_step", "--compile")
+    assert r.returncode == 0, r.stderr
+    assert "compiled/planned" in r.stdout and "what is alive at XLA's peak: not read from" in r.stdout
+    assert "no buffer assignment of 'jit_train_step'" in r.stdout

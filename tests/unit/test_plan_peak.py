@@ -52,5 +52,5 @@ def test_the_module_runs_as_a_command_and_a_missing_dump_is_one_line(tmp_path: P
         [sys.executable, "-m", "maxtext_moe.plan.peak", str(tmp_path / "empty")], capture_output=True, text=True
     )
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "xla_dump_to" in r.stderr
-    with pytest.raises(UserError, match="no optimized-module dump"):
+    with pytest.raises(UserError, match="no buffer assignment"):
         find_peak(tmp_path / "empty")
