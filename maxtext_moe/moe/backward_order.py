@@ -1,13 +1,12 @@
 """Make a block's weight gradients in the backward pass before the gradient it passes to the layer below.
 
-Why: XLA's latency-hiding scheduler lists the backward bottom-up and places each weight-gradient GEMM as
-late as its users allow: the reduce-scatter of that gradient, which has no deadline before the optimizer.
-Compiled for DeepSeek-V3 671B on 128 H200s, every MoE layer's expert weight-gradient GEMMs ran after the
-whole backward of the layers below it, and the FP8 copies of their operands (1.6 GiB each for the receive
-buffer's rows) stayed alive until then, layer after layer. Neither JAX nor TE exposes an order for the
-backward; an optimization barrier on the block's cotangents does: the input gradient leaves the block
-only together with the weight gradients, so they are made while the layer's own operands are alive.
-"""
+Why: a weight gradient has no consumer before the optimizer, and XLA's scheduler (with or without its
+latency-hiding scheduler) placed each layer's weight-gradient GEMMs, then their reduce-scatters, at the end
+of the backward pass. Compiled for DeepSeek-V3 671B on 128 H200s, the FP8 copies of those GEMMs' operands
+(1.6 GiB each for an EP rank's receive rows) and their full-shard results stayed alive across every layer
+below (its 9-layer variant: 92.1 GiB per GPU, 49.7 with this; docs/PLAN.md). Neither JAX nor TE exposes an order for the backward; an
+optimization barrier on the block's cotangents does: the input gradient leaves the block only together
+with the weight gradients, so they are made, and reduce-scattered, while the layer's own operands are alive."""
 
 from __future__ import annotations
 
