@@ -4,9 +4,10 @@ Why: a weight gradient has no consumer before the optimizer, and XLA's scheduler
 latency-hiding scheduler) placed each layer's weight-gradient GEMMs, then their reduce-scatters, at the end
 of the backward pass. Compiled for DeepSeek-V3 671B on 128 H200s, the FP8 copies of those GEMMs' operands
 (1.6 GiB each for an EP rank's receive rows) and their full-shard results stayed alive across every layer
-below (its 9-layer variant: 92.1 GiB per GPU, 49.7 with this; docs/PLAN.md). Neither JAX nor TE exposes an order for the backward; an
-optimization barrier on the block's cotangents does: the input gradient leaves the block only together
-with the weight gradients, so they are made, and reduce-scattered, while the layer's own operands are alive."""
+below (its 9-layer variant: 92.1 GiB per GPU, 49.7 with this; docs/PLAN.md). Neither JAX nor TE exposes
+an order for the backward; an optimization barrier on the block's cotangents does: the input gradient
+leaves the block only together with the weight gradients, so they are made, and reduce-scattered, while
+the layer's own operands are alive."""
 
 from __future__ import annotations
 

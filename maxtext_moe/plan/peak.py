@@ -4,8 +4,8 @@ Why: `compiled.memory_analysis()` gives totals only. When a compile does not fit
 buffers are alive together at the peak and which JAX operation made them. XLA writes the peak's buffers
 when it dumps the optimized module (`xla_dump_to`): the live-range file lists them with their sizes, the
 buffer assignment has their shapes and the HLO their JAX op names. This joins the three and groups the
-peak's buffers by shape and op name, largest first. It found both causes of the 671B compile's excess
-(docs/PLAN.md, "Compiled vs planned").
+peak's buffers by shape and op name, largest first. Reading the dumps this way found both causes of the
+671B compile's excess (docs/PLAN.md, "Compiled vs planned").
 
     maxtext-moe plan RECIPE --compile xla_flags.xla_dump_to=DIR xla_flags.xla_dump_hlo_as_text=true \\
         xla_flags.xla_dump_hlo_module_re=jit_train_step

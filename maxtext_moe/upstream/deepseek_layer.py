@@ -14,9 +14,10 @@ mutated.
 The subclass keeps MaxText's `__init__`, so the parameters are MaxText's own: same tree
 (`DeepSeekMoeBlock_0/{MoeBlock_0/{gate/{kernel,bias}, wi_0, wi_1, wo}, shared_experts/...}`), shapes,
 logical shardings, initialisers and RNG order; checkpoints move freely between `impl: maxtext` and
-`impl: ours`, and a fixed seed gives the same initial model. It overrides only `mlp_op`, the one place
-the layer calls its MoE block, and computes the routed experts with `layer.routed_experts` (our routing,
-sort and grouped GEMMs on the chosen backend) on the block's own variables; the shared expert stays
+`impl: ours`, and a fixed seed gives the same initial model. It overrides `mlp_op`, the one place
+the layer calls its MoE block (and `__call__`, only to order the backward under FSDP, see there), and
+computes the routed experts with `layer.routed_experts` (our routing, sort and grouped GEMMs on the chosen
+backend) on the block's own variables; the shared expert stays
 MaxText's `MlpBlock`. What MaxText's loop reads from the block comes out as before: the output, the
 load-balance loss (MaxText's own loss functions, fed our routing) and the aux-loss-free bias update
 (MaxText's `load_balance_updates_from_counts` on our expert counts; the loop adds it to the gate bias). It
