@@ -155,7 +155,7 @@ def test_shipped_proxy_recipes_fit(recipe: str) -> None:
 
 
 # 671B recipes compiled as shipped (no layer-count override) with the current code: docs/results/NAME.json.
-COMPILED_671B = ("plan_compile_deviceless_671b_h200_128_tied",)
+COMPILED_671B = ("plan_compile_deviceless_671b_h200_128_tied", "plan_compile_deviceless_671b_h100_256_tied")
 
 
 def test_planned_memory_within_tolerance_of_every_compiled_671b_recipe() -> None:
