@@ -11,7 +11,7 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
+from pathlib import Path
 
 import jax
 import pytest
@@ -73,14 +73,14 @@ def test_deviceless_compile_of_the_ep2_proxy_is_close_to_the_gpu_compile() -> No
 
 @pytest.mark.gpu
 @NEEDS_PLUGIN
-def test_five_layers_of_the_h200_128_recipe_compile_within_15_percent_of_the_plan() -> None:
+def test_five_layers_of_the_h200_128_recipe_compile_within_15_percent_of_the_plan(tmp_path: Path) -> None:
     """Two things XLA did to the 671B step, each caught here on the 5-layer variant of the H200-128 recipe
     (docs/results/plan_compile_deviceless_671b_h200_128_5layers*.json): it hoisted the EP exchange's
     constant-filled output buffers to the start of the step and fused them across layers (70.4 GiB per GPU),
     and it left every layer's weight gradients, their FP8 operands and their reduce-scatters to the end of
     the backward (62.6 GiB). With both fixed: 46.1 GiB, planned 42.4. Its peak, from the HLO dump, is the
     output head's: the loss's float32 gradient of the logits is the largest buffer alive there."""
-    dump = ["xla_flags.xla_dump_to=" + tempfile.mkdtemp(), "xla_flags.xla_dump_hlo_as_text=true"]
+    dump = [f"xla_flags.xla_dump_to={tmp_path}", "xla_flags.xla_dump_hlo_as_text=true"]
     result = _compile_without_gpu("deepseek3-671b-h200-128", "base_num_decoder_layers=5", *dump)
     assert result["compiled"]["device_total_bytes"] < 52 * GIB
     assert result["compiled_over_planned"] < 1.15
