@@ -22,6 +22,8 @@ FAKE_PYTHON = """#!/bin/bash
 echo "CVD=${CUDA_VISIBLE_DEVICES-unset} PID=${JAX_PROCESS_ID-unset} N=${JAX_NUM_PROCESSES-unset} $*" >> "$CALLS"
 echo "${PYTHONPATH%%:*} $*" >> "$CALLS.pythonpath"
 case "$*" in
+  *" bench "*fails=1*) for a in "$@"; do case $a in base_output_directory=*) d=${a#*=};; esac; done
+               mkdir -p "$d/run"; echo "last MaxText line: compiling" > "$d/run/maxtext.log"; exit 3;;
   *" bench "*) echo "start $(date +%s.%N) $*" >> "$CALLS.times"; sleep 1
                echo "end $(date +%s.%N) $*" >> "$CALLS.times"
                echo "step time            median 0.459 s (min 0.451, max 0.483)";;
@@ -92,6 +94,19 @@ def test_ladder_runs_one_rung_per_gpu_side_by_side(tmp_path: Path) -> None:
     times = intervals(tmp_path, rung_name)
     assert times["b"]["start"] < times["a"]["end"] and times["a"]["start"] < times["b"]["end"]  # side by side
     assert times["c"]["start"] >= max(times["a"]["end"], times["b"]["end"])  # the next round waits for both
+
+
+def test_a_failed_rung_summary_ends_with_its_maxtext_log(tmp_path: Path) -> None:
+    """A rung that fails or is stopped at its time limit says where MaxText was (its log's tail)."""
+    name = f"failing_{os.getpid()}"
+    try:
+        proc, _, archive = run_script(tmp_path, "proxy_ladder_h200.sh", "6", f"{name} fails=1")
+        assert proc.returncode == 0, proc.stderr
+        summary = proc.stdout[proc.stdout.index(f"=== {name}") :]
+        assert "rc=3" in summary and "last MaxText line: compiling" in summary, summary
+        assert f"{name}.summary" in packed(archive)
+    finally:
+        shutil.rmtree(f"/tmp/runs/{name}", ignore_errors=True)
 
 
 def test_a_ladder_rung_can_run_another_source_tree(tmp_path: Path) -> None:
