@@ -139,12 +139,20 @@ def choose_route(r: ResolvedRecipe, gpus_here: int, deviceless_ok: bool = False)
     if gpu_recipe and deviceless_ok and not te_moe_block:
         hw, per_node = r.topology.profile, r.topology.gpus_per_node
         topo = f"1x{n // per_node}x{per_node}" if n % per_node == 0 else f"1x1x{n}"
+        # TE's attention asks the GPU driver which fused kernel it has while the step is traced; JAX's cuDNN
+        # flash attention (the Hopper recipes' kernel, also linear in the sequence) compiles without one.
+        te_attention = r.effective("attention") == "cudnn_flash_te"
         return Route(
             "gpu-aot",
             f"XLA:GPU deviceless for {n} {hw.name.upper()} GPUs (topology {topo}, SM "
             f"{'.'.join(map(str, hw.compute_capability or ()))}) on a "
-            "machine without them; nothing executed, the dropless/overflow host checks left out",
-            data,
+            "machine without them; nothing executed, the dropless/overflow host checks left out"
+            + (
+                "; JAX's cuDNN flash attention in place of TE's attention, which asks a GPU driver for its kernel"
+                if te_attention
+                else ""
+            ),
+            (*data, *(("attention=cudnn_flash_jax",) if te_attention else ())),
             {
                 "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={n}",  # MaxText's device count
                 "JAX_PLATFORMS": "cpu",

@@ -86,3 +86,16 @@ def test_five_layers_of_the_h200_128_recipe_compile_within_15_percent_of_the_pla
     assert result["compiled_over_planned"] < 1.15
     largest = result["at_peak"]["groups"][0]
     assert largest["shape"] == "f32[6,4096,129280]", result["at_peak"]["groups"][:3]
+
+
+@pytest.mark.gpu
+@NEEDS_PLUGIN
+def test_five_layers_of_the_gb200_recipe_compile_deviceless_for_blackwell() -> None:
+    """The GB200 recipe (MXFP8 experts through TE, the MoE up-projection offloaded to host) compiles for 128
+    described GB200s, with JAX's cuDNN attention standing in for TE's (which asks the GPU driver). 5 layers,
+    2026-12-01: 54.7 GiB per GPU, 1.9 GiB host."""
+    result = _compile_without_gpu("deepseek3-671b-gb200-128", "base_num_decoder_layers=5")
+    compiled = result["compiled"]
+    assert "GB200" in compiled["device_kind"] and compiled["devices"] == 128
+    assert "attention=cudnn_flash_jax" in result["compiled_with_overrides"]
+    assert compiled["device_total_bytes"] < 64 * GIB and compiled["host_total_bytes"] > 0

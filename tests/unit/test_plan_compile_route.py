@@ -48,6 +48,17 @@ def test_without_a_gpu_but_with_jax_cuda_plugin_the_recipe_compiles_deviceless_f
     assert cpu_recipe.name == "cpu"
 
 
+def test_deviceless_route_stands_jax_cudnn_attention_in_for_tes() -> None:
+    """TE's attention asks the GPU driver for its fused kernel while the step is traced; deviceless, the GB200
+    recipe's compile stopped there ("CUDA driver version is insufficient", 2026-12-01). JAX's cuDNN flash
+    attention, the Hopper recipes' kernel, compiles without a driver and is listed as an override."""
+    gb200 = compiled.choose_route(resolve("deepseek3-671b-gb200-128", []), gpus_here=0, deviceless_ok=True)
+    assert gb200.name == "gpu-aot" and "attention=cudnn_flash_jax" in gb200.overrides
+    assert "TE's attention" in gb200.description
+    on_gpu = compiled.choose_route(resolve("deepseek3-671b-gb200-128", []), gpus_here=8, deviceless_ok=True)
+    assert "attention=cudnn_flash_jax" not in on_gpu.overrides  # a GPU here answers TE itself
+
+
 def test_deviceless_target_describes_the_recipes_gpu_kind() -> None:
     from maxtext_moe.recipe.hardware import profile
     from maxtext_moe.upstream import deviceless
