@@ -149,10 +149,15 @@ def per_gpu(m: Model, lay: Layout) -> Memory:
     stage_tokens, micro_tokens = tokens * lay.pp, tokens * lay.pp / lay.microbatches
     layers_here = {False: m.dense_layers, True: m.moe_layers + m.mtp_layers}
     stage = {kind: n / lay.pp for kind, n in layers_here.items()}
+    # Unrolled layers: XLA (JAX 0.11.2) schedules each offloaded tensor's copy to host just before its layer's
+    # backward, so the tensor stays in HBM through the rest of the forward as well as going to host memory
+    # (deviceless compiles of the GB200 recipe at 5 and 9 layers, docs/PLAN.md: +2.8 GiB per MoE layer against
+    # +0.9 with full remat). A scanned loop copies inside its body, which frees the HBM copy.
+    in_hbm = ("device",) if lay.scanned else ("device", "offload")
     saved_dev = saved_host = 0.0
     for moe, n in stage.items():
         sizes = tensor_sizes(m, lay, moe)
-        saved_dev += n * (m.emb / lay.tp + sum(s for t, s in sizes.items() if lay.remat[t] == "device"))
+        saved_dev += n * (m.emb / lay.tp + sum(s for t, s in sizes.items() if lay.remat[t] in in_hbm))
         saved_host += n * sum(s for t, s in sizes.items() if lay.remat[t] == "offload")
     working = max(_working_set(tensor_sizes(m, lay, moe), lay.remat) for moe in (False, True))
     experts_per_rank = m.experts // lay.ep

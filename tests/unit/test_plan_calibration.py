@@ -167,3 +167,30 @@ def test_planned_memory_within_tolerance_of_every_compiled_671b_recipe() -> None
     check(compiled, planned_now, {}, "GiB")
     for name, r in runs:
         assert abs(r["state_compiled_over_planned"] - 1) < 0.01, name
+
+
+OFFLOAD_MOE_UP = ("remat_policy=custom", "decoder_layer_input=device", "moe_mlpwi_0=offload", "moe_mlpwi_1=offload")
+
+
+@pytest.mark.parametrize(
+    ("records", "policy"),
+    [(("5layers", "9layers"), OFFLOAD_MOE_UP), (("5layers_full_remat", "9layers_full_remat"), ("remat_policy=full",))],
+)
+def test_planned_hbm_per_unrolled_moe_layer_matches_the_compiled_gb200_recipe(
+    records: tuple[str, str], policy: tuple[str, ...]
+) -> None:
+    """The GB200 recipe compiled deviceless at 5 and 9 layers (four more MoE layers), its MoE up-projection
+    offloaded to host and with full remat. Offloaded, each unrolled MoE layer added 2.8 GiB of HBM, as much as
+    saving the tensors on the device: XLA copied them to host only before each layer's backward. The plan's
+    step per layer within 10% of XLA's; its totals are 10-17% below XLA's at these depths (the H200 recipe's
+    5-layer variant: 8%), held within 20%."""
+    runs = [json.loads((RESULTS / f"plan_compile_deviceless_671b_gb200_128_{r}.json").read_text()) for r in records]
+    compiled = [r["compiled"]["device_total_bytes"] / GIB for r in runs]
+    planned = [
+        estimate(cli.resolve("deepseek3-671b-gb200-128", [f"base_num_decoder_layers={n}", *policy])).memory.device_total
+        / GIB
+        for n in (5, 9)
+    ]
+    assert planned[1] - planned[0] == pytest.approx(compiled[1] - compiled[0], rel=0.1)
+    for p, c in zip(planned, compiled, strict=True):
+        assert abs(p / c - 1) < 0.2, (planned, compiled)
