@@ -155,16 +155,29 @@ def test_shipped_proxy_recipes_fit(recipe: str) -> None:
 
 
 # 671B recipes compiled as shipped (no layer-count override) with the current code: docs/results/NAME.json.
-COMPILED_671B = ("plan_compile_deviceless_671b_h200_128_tied", "plan_compile_deviceless_671b_h100_256_tied")
+COMPILED_671B = (
+    "plan_compile_deviceless_671b_h200_128_tied",
+    "plan_compile_deviceless_671b_h100_256_tied",
+    "plan_compile_deviceless_671b_gb200_128_tied",
+)
+# A compile that fits where the plan is far off, and why (docs/PLAN.md, "The Blackwell recipes").
+COMPILED_671B_GAPS = {
+    "plan_compile_deviceless_671b_gb200_128_tied": "134.2 GiB against 88.9 planned: at the forward's peak XLA holds "
+    "17 layers' EP exchange output buffers (44.6 GiB) and 18 gathered expert-weight blocks (15.8 GiB) ahead of "
+    "their layers on a GPU with 186 GB; it fits the 152.4 usable"
+}
 
 
 def test_planned_memory_within_tolerance_of_every_compiled_671b_recipe() -> None:
     """XLA's per-GPU total for a 671B recipe, compiled for its full device count, against `plan`'s now (the
     compiled JSON keeps the plan of its day too); the state argument against the planned state to 1%."""
     runs = [(name, json.loads((RESULTS / f"{name}.json").read_text())) for name in COMPILED_671B]
+    runs_by_name = dict(runs)
     compiled = {name: r["compiled"]["device_total_bytes"] / GIB for name, r in runs}
     planned_now = {name: estimate(cli.resolve(r["recipe"], [])).memory.device_total / GIB for name, r in runs}
-    check(compiled, planned_now, {}, "GiB")
+    check(compiled, planned_now, COMPILED_671B_GAPS, "GiB")
+    for name in COMPILED_671B_GAPS:  # a gap that no longer fits would not be one to carry
+        assert compiled[name] <= estimate(cli.resolve(runs_by_name[name]["recipe"], [])).layout.usable_gib, name
     for name, r in runs:
         assert abs(r["state_compiled_over_planned"] - 1) < 0.01, name
 
