@@ -159,12 +159,15 @@ COMPILED_671B = (
     "plan_compile_deviceless_671b_h200_128_tied",
     "plan_compile_deviceless_671b_h100_256_tied",
     "plan_compile_deviceless_671b_gb200_128_tied",
+    "plan_compile_deviceless_671b_gb300_1024_tied",
 )
-# A compile that fits where the plan is far off, and why (docs/PLAN.md, "The Blackwell recipes").
+# Compiles that fit where the plan is far off, and why (docs/PLAN.md, "The Blackwell recipes").
 COMPILED_671B_GAPS = {
     "plan_compile_deviceless_671b_gb200_128_tied": "134.2 GiB against 88.9 planned: at the forward's peak XLA holds "
     "17 layers' EP exchange output buffers (44.6 GiB) and 18 gathered expert-weight blocks (15.8 GiB) ahead of "
-    "their layers on a GPU with 186 GB; it fits the 152.4 usable"
+    "their layers on a GPU with 186 GB; it fits the 152.4 usable",
+    "plan_compile_deviceless_671b_gb300_1024_tied": "204.7 GiB against 88.9 planned: the same program as GB200's "
+    "per GPU, and with 288 GB XLA holds 33 layers' exchange buffers (86.6 GiB) ahead; it fits the 236.0 usable",
 }
 
 
