@@ -175,12 +175,11 @@ def test_planned_memory_within_tolerance_of_every_compiled_671b_recipe() -> None
     """XLA's per-GPU total for a 671B recipe, compiled for its full device count, against `plan`'s now (the
     compiled JSON keeps the plan of its day too); the state argument against the planned state to 1%."""
     runs = [(name, json.loads((RESULTS / f"{name}.json").read_text())) for name in COMPILED_671B]
-    runs_by_name = dict(runs)
+    plans = {name: estimate(cli.resolve(r["recipe"], [])) for name, r in runs}
     compiled = {name: r["compiled"]["device_total_bytes"] / GIB for name, r in runs}
-    planned_now = {name: estimate(cli.resolve(r["recipe"], [])).memory.device_total / GIB for name, r in runs}
-    check(compiled, planned_now, COMPILED_671B_GAPS, "GiB")
+    check(compiled, {name: p.memory.device_total / GIB for name, p in plans.items()}, COMPILED_671B_GAPS, "GiB")
     for name in COMPILED_671B_GAPS:  # a gap that no longer fits would not be one to carry
-        assert compiled[name] <= estimate(cli.resolve(runs_by_name[name]["recipe"], [])).layout.usable_gib, name
+        assert compiled[name] <= plans[name].layout.usable_gib, name
     for name, r in runs:
         assert abs(r["state_compiled_over_planned"] - 1) < 0.01, name
 
