@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from maxtext_moe.errors import UserError
 from maxtext_moe.moe.align import aligned
 from maxtext_moe.moe.settings import BACKENDS, FP8_MODES, Backend, Fp8
-from maxtext_moe.upstream import te
+from maxtext_moe.upstream import te, te_group_scales
 
 # TE's FP8 grouped GEMM on Hopper asserts `lda % 16 == 0` per group: each group's rows padded to a multiple.
 FP8_GROUP_ALIGN = 16
@@ -99,6 +99,8 @@ def _te_fp8(
     """
     quantize = importlib.import_module("transformer_engine.jax.quantize")
     mxfp8 = mode == "mxfp8"
+    if not mxfp8:
+        te_group_scales.install()
     quantizers = quantize.QuantizerFactory.create_set(
         scaling_mode=quantize.ScalingMode.MXFP8_1D_SCALING if mxfp8 else quantize.ScalingMode.CURRENT_TENSOR_SCALING,
         fwd_dtype=jnp.float8_e4m3fn,

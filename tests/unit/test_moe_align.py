@@ -127,9 +127,10 @@ def test_align_must_be_positive() -> None:
 
 
 def fake_te(monkeypatch: pytest.MonkeyPatch, align: int = gemm.FP8_GROUP_ALIGN) -> tuple[types.SimpleNamespace, dict]:
-    """Stand-ins for TE's `dense` and `quantize` modules: grouped_dense enforces what the H200 enforced for
-    FP8 (every group a multiple of `align` rows, counted in group_sizes, summing to the rows) and computes by
-    ragged_dot; create_set records its arguments. The layer's backend "te" reaches them."""
+    """Stand-ins for TE's `dense`, `quantize` and `cpp_extensions` modules: grouped_dense enforces what the H200
+    enforced for FP8 (every group a multiple of `align` rows, counted in group_sizes, summing to the rows) and
+    computes by ragged_dot; create_set records its arguments; grouped_quantize is there for te_group_scales to
+    wrap. The layer's backend "te" reaches them."""
     seen: dict = {}
 
     def check(sizes: np.ndarray, rows: int) -> None:
@@ -150,6 +151,9 @@ def fake_te(monkeypatch: pytest.MonkeyPatch, align: int = gemm.FP8_GROUP_ALIGN) 
         ScalingMode=types.SimpleNamespace(CURRENT_TENSOR_SCALING="current", MXFP8_1D_SCALING="mxfp8"),
     )
     monkeypatch.setitem(sys.modules, "transformer_engine.jax.quantize", quantize)
+    extensions = types.SimpleNamespace(grouped_quantize=lambda *args, **kwargs: None)
+    monkeypatch.setitem(sys.modules, "transformer_engine.jax.cpp_extensions", extensions)
+    seen["extensions"] = extensions
     dense = types.SimpleNamespace(grouped_dense=grouped_dense)
     monkeypatch.setattr(gemm.te, "import_te", lambda: (dense, None))
     monkeypatch.setattr(gemm, "select_te_grouped_gemm_path", lambda requested="auto": "v1")
@@ -165,6 +169,7 @@ def test_te_fp8_call_aligns_groups_and_builds_the_quantizer_set(monkeypatch: pyt
     assert y.dtype == jnp.bfloat16 and y.shape == (38, N)
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(ragged(x, w, sizes)))
     assert seen["quantizer_set"] == "quantizers"
+    assert hasattr(seen["extensions"].grouped_quantize, "wrapped")  # per-group scales without TE's scatters
     assert seen["create_set"] == {
         "scaling_mode": "current",
         "fwd_dtype": jnp.float8_e4m3fn,
@@ -180,6 +185,7 @@ def test_te_mxfp8_call_pads_groups_to_128_rows_with_e4m3_both_ways(monkeypatch: 
     x, w = small_ints(kx, (138, K)).astype(jnp.bfloat16), small_ints(kw, (4, K, N)).astype(jnp.bfloat16)
     y = gemm._te_fp8(dense, x, w, sizes, "mxfp8", False)
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(ragged(x, w, sizes)))
+    assert not hasattr(seen["extensions"].grouped_quantize, "wrapped")  # MXFP8 scales per block: TE's own
     assert seen["create_set"] == {
         "scaling_mode": "mxfp8",
         "fwd_dtype": jnp.float8_e4m3fn,
