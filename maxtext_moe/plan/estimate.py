@@ -25,6 +25,10 @@ GIB = 2**30
 # cuBLAS GEMMs: a measured 8192^3 BF16 matmul (790 TFLOP/s); the proxy profiles' cuBLAS time agrees within
 # 10% (proxy_h200_1gpu_run4_ours_full_profile_summary.json, run5_ours_b4_minimal_scanned_profile.json).
 DENSE_GEMM_EFFICIENCY = 790 / 989
+# The same GEMMs in FP8 through TE (`quantization=te_fp8_currentscaling`) reach a smaller share of the FP8
+# peak: 1.03e3 TFLOP/s in the profile of our block with FP8 experts and dense layers on one H200
+# (proxy_h200_1gpu_2026-12-01_eve_profile_fp8_dense_te_b6.json), 330.6 ms a step where BF16 took 473.
+DENSE_FP8_GEMM_EFFICIENCY = 1030 / 1979
 # Routed experts' grouped GEMM inside a step. TE: its kernel time in the two one-GPU profiles above (189 ms
 # and 363 ms per step for 93 and 187 ms of work at peak: 0.49-0.51), below the 637/989 it reaches alone
 # (benchmarks/bench_moe_layer.py). tokamax and ragged_dot: alone (docs/PERFORMANCE.md); with tokamax,
@@ -219,12 +223,13 @@ def _compute_seconds(f: flops.Flops, m: Model, lay: Layout, rec: Recompute) -> f
     rows = 1 + EMPTY_ROW_COST * (buffer - 1)
     copies = routed_copies(m, lay)
     quantize = copies * buffer * 2 * (m.emb + m.moe_mlp) * QUANTIZE_S_PER_ELEMENT if lay.expert_fp8 else 0.0
+    dense_efficiency = DENSE_FP8_GEMM_EFFICIENCY if lay.dense_fp8 else DENSE_GEMM_EFFICIENCY
     xla_sort = not lay.dedup_dispatch and lay.moe_path != "te"
     permute = copies * PERMUTE_S_PER_COPY["maxtext" if xla_sort else "ours"]
     return (
         lay.tokens
         * (
-            (f.gemm + rec.gemm) / (peak[lay.dense_fp8] * DENSE_GEMM_EFFICIENCY)
+            (f.gemm + rec.gemm) / (peak[lay.dense_fp8] * dense_efficiency)
             + (f.grouped_gemm + rec.grouped) * rows / (peak[lay.expert_fp8] * GROUPED_GEMM_EFFICIENCY[lay.moe_path])
             + (f.core + rec.core) / (peak[False] * ATTENTION_EFFICIENCY)
         )
