@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from maxtext_moe.errors import UserError
-from maxtext_moe.plan import layout, memory, peak
+from maxtext_moe.plan import layout, memory, peak, scheduler_limit
 from maxtext_moe.plan.model import Model
 from maxtext_moe.recipe import composition, maxtext_keys, validate, xla_flags
 from maxtext_moe.recipe.resolved import ResolvedRecipe
@@ -290,6 +290,7 @@ class CompiledPlan:
     result: dict[str, Any]
     at_peak: peak.Peak | None = None  # from the HLO dump, when the recipe's XLA flags asked for one
     peak_note: str = ""  # why a dump asked for gave no peak
+    limit: scheduler_limit.SchedulerLimit | None = None  # XLA:GPU's scheduler budget, for the recipe's GPU kind
 
     @property
     def compiled_total(self) -> int:
@@ -320,6 +321,7 @@ class CompiledPlan:
             "compiled_over_planned": self.compiled_total / self.planned.device_total,
             "state_compiled_over_planned": self.result["state_bytes"] / self.planned_state,
             "at_peak": asdict(self.at_peak) if self.at_peak else None,
+            "scheduler_limit": self.limit.to_json(self.planned.device_total) if self.limit else None,
         }
 
     def render(self) -> str:
@@ -338,6 +340,8 @@ class CompiledPlan:
             f"  state (parameters + optimizer): compiled {res['state_bytes'] / GIB:.3f} GiB, planned "
             f"{self.planned_state / GIB:.3f} GiB -> {res['state_bytes'] / self.planned_state:.3f}",
         ]
+        if self.limit:
+            lines.append("  " + self.limit.render(self.planned.device_total))
         if host or self.planned.host_total:
             lines.append(
                 f"  host (offloaded) per device: compiled {host / GIB:.2f} GiB, planned "
@@ -370,4 +374,16 @@ def run(ref: str, overrides: Sequence[str], r: ResolvedRecipe, *, gpus_here: int
     lay = layout.from_recipe(r)
     result = compile_in_subprocess(compiled, route)
     at_peak, note = read_peak(compiled)
-    return CompiledPlan(r.name, route, memory.per_gpu(Model.from_recipe(r), lay), lay.describe(), result, at_peak, note)
+    hw = compiled.topology.profile
+    # The budget is XLA:GPU's, from the memory of the GPU it compiled for: the recipe's kind, or none to say.
+    limit = (
+        None
+        if hw.maxtext_hardware != "gpu" or hw.name.upper() not in str(result.get("device_kind", "")).upper()
+        else scheduler_limit.of(
+            result["memory"],
+            deviceless.device_memory_bytes(hw),
+            _env(compiled, route).get("XLA_FLAGS", ""),
+        )
+    )
+    planned = memory.per_gpu(Model.from_recipe(r), lay)
+    return CompiledPlan(r.name, route, planned, lay.describe(), result, at_peak, note, limit)

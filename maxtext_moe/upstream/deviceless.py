@@ -38,6 +38,11 @@ def available() -> bool:
     return find_spec("jax_plugins.xla_cuda13") is not None or find_spec("jax_plugins.xla_cuda12") is not None
 
 
+def device_memory_bytes(hw: Hardware) -> int:
+    """A `hw` GPU's memory as XLA sees it: the driver's figure where read off one, else the vendor's."""
+    return DEVICE_MEMORY_BYTES.get(hw.name, int(hw.hbm_gb * 1e9))
+
+
 def target_config(hw: Hardware) -> str:
     """XLA's `GpuTargetConfig` text for a device of profile `hw` (CUDA 13, cuDNN 9). SMs, memory, bandwidth and
     compute capability are the kind's; the other fields are Hopper's, inputs to XLA's cost models."""
@@ -57,7 +62,7 @@ gpu_device_info {{
   memory_bandwidth: {int(hw.hbm_tbps * 1e12)}
   l2_cache_size: 52428800
   clock_rate_ghz: 1.98
-  device_memory_size: {DEVICE_MEMORY_BYTES.get(hw.name, int(hw.hbm_gb * 1e9))}
+  device_memory_size: {device_memory_bytes(hw)}
   shared_memory_per_block_optin: 232448
   cuda_compute_capability {{ major: {major} minor: {minor} }}
   registers_per_core_limit: 65536

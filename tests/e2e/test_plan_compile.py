@@ -37,6 +37,7 @@ def test_tiny_recipe_on_four_cpu_devices_matches_the_planned_state() -> None:
     res = data["compiled"]
     assert (res["devices"], res["platform"], res["mesh"]["fsdp"]) == (4, "cpu", 4)
     assert data["planned"]["layout"].startswith("FSDP4 on 4 cpu")
+    assert data["scheduler_limit"] is None  # XLA:CPU schedules to no memory budget
     check_state(data)
 
 

@@ -1,0 +1,63 @@
+"""XLA:GPU's scheduler budget, computed by XLA's rule, read against the 671B compiles in docs/results."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from maxtext_moe.plan import scheduler_limit
+from maxtext_moe.recipe import hardware
+from maxtext_moe.upstream import deviceless
+
+RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
+
+
+def limit_of(record: str, hw: str, flags: str = "") -> tuple[scheduler_limit.SchedulerLimit, float]:
+    run = json.loads((RESULTS / f"{record}.json").read_text())
+    device = deviceless.device_memory_bytes(hardware.profile(hw))
+    return scheduler_limit.of(run["compiled"]["memory"], device, flags), run["planned"]["memory_per_gpu_bytes"]
+
+
+@pytest.mark.parametrize(
+    ("record", "hw", "verdict"),
+    [
+        # Blackwell: the temporaries land on the budget whatever the plan says (104.3 / 174.9 GiB).
+        ("plan_compile_deviceless_671b_gb200_128_tied", "gb200", "at it"),
+        ("plan_compile_deviceless_671b_gb300_1024_tied", "gb300", "at it"),
+        # Hopper: room left under the budget; the plan is within 9% of these.
+        ("plan_compile_deviceless_671b_h200_128_tied", "h200", "within it"),
+        # The GB200 recipe with its MoE up-projection offloaded: 118 saved outputs in HBM, far past the budget.
+        ("plan_compile_deviceless_671b_gb200_128_offload", "gb200", "above it"),
+    ],
+)
+def test_verdict_on_the_recorded_671b_compiles(record: str, hw: str, verdict: str) -> None:
+    limit, planned = limit_of(record, hw)
+    assert limit.verdict(planned).startswith(verdict), limit.render(planned)
+
+
+def test_blackwell_compiles_sit_on_xlas_budget() -> None:
+    """Temporaries within 2% of 80% of the GPU's memory less the step's I/O, x 95%: XLA's own rule."""
+    for record, hw in (
+        ("plan_compile_deviceless_671b_gb200_128_tied", "gb200"),
+        ("plan_compile_deviceless_671b_gb300_1024_tied", "gb300"),
+    ):
+        limit, _ = limit_of(record, hw)
+        assert limit.used == pytest.approx(1.0, abs=0.02), (record, limit.used)
+
+
+def test_slop_for_the_plan_gives_a_budget_that_reaches_the_plan() -> None:
+    limit, planned = limit_of("plan_compile_deviceless_671b_gb200_128_tied", "gb200")
+    slop = limit.slop_for(planned)
+    assert f"slop_factor={slop}" in limit.verdict(planned)
+    at_slop = scheduler_limit.of(
+        {"argument_size": limit.io_bytes, "temp_size": 0}, limit.device_memory, f"--xla_gpu_memory_limit_slop_factor={slop}"
+    )
+    assert at_slop.io_bytes + at_slop.base * (slop - 1) / 100 < planned <= at_slop.io_bytes + at_slop.temp_budget
+
+
+def test_slop_percent_reads_the_last_flag_and_defaults_to_xlas() -> None:
+    assert scheduler_limit.slop_percent("--xla_gpu_enable_latency_hiding_scheduler=true") == 95
+    flags = "--xla_gpu_memory_limit_slop_factor=80 --foo=1 --xla_gpu_memory_limit_slop_factor=55"
+    assert scheduler_limit.slop_percent(flags) == 55
