@@ -5,12 +5,13 @@ scatter-add over every row, for the rows' group ids) and `jax.ops.segment_max` (
 into G slots). XLA fuses our permutation's gather and the rows' |x| max into that scatter, one thread per
 row. On one H200 those fusions took 104-135 ms of some FP8 proxy steps and none of others, with the same
 code (docs/PERFORMANCE.md). Rows reach TE sorted by group, so the same amax is a masked max over the rows:
-one reduction, no atomics, and no scatter left in the step for XLA to fuse that way. TE's quantize takes given per-group scales only through its delayed-scaling
-quantizers (the cast kernel is the same; the mode says where the scales came from, and TE's grouped GEMM
-treats both tensor-scaling modes alike), so `install` wraps `grouped_quantize`: for current scaling it
-computes the scales current scaling would (TE's own `compute_scale_from_amax` on the same amax) and hands
-them to TE's quantize as delayed-scaling state. The FP8 data and scales equal TE's current scaling
-(tests/gpu/test_te_group_scales_gpu.py); every other mode goes to TE's function unchanged.
+one reduction, no atomics, and no scatter left in the step for XLA to fuse that way. TE's quantize takes
+given per-group scales only through its delayed-scaling quantizers (the cast kernel is the same; the mode
+says where the scales came from, and TE's grouped GEMM treats both tensor-scaling modes alike), so `install`
+wraps `grouped_quantize`: for current scaling it computes the scales current scaling would (TE's own
+`compute_scale_from_amax` on the same amax) and hands them to TE's quantize as delayed-scaling state. The
+FP8 data and scales equal TE's current scaling (tests/gpu/test_te_group_scales_gpu.py); every other mode goes
+to TE's function unchanged.
 
 Process-wide once installed (TE's backward rules call `grouped_quantize` while JAX transposes the step, after
 our layer's code has returned), which is harmless: values are unchanged for every caller.

@@ -51,9 +51,8 @@ def test_slop_for_the_plan_gives_a_budget_that_reaches_the_plan() -> None:
     limit, planned = limit_of("plan_compile_deviceless_671b_gb200_128_tied", "gb200")
     slop = limit.slop_for(planned)
     assert f"slop_factor={slop}" in limit.verdict(planned)
-    at_slop = scheduler_limit.of(
-        {"argument_size": limit.io_bytes, "temp_size": 0}, limit.device_memory, f"--xla_gpu_memory_limit_slop_factor={slop}"
-    )
+    flags = f"--xla_gpu_memory_limit_slop_factor={slop}"
+    at_slop = scheduler_limit.of({"argument_size": limit.io_bytes, "temp_size": 0}, limit.device_memory, flags)
     assert at_slop.io_bytes + at_slop.base * (slop - 1) / 100 < planned <= at_slop.io_bytes + at_slop.temp_budget
 
 
