@@ -48,10 +48,13 @@ class SchedulerLimit:
 
     @property
     def used(self) -> float:
-        return self.temp_bytes / self.temp_budget
+        """Temporaries over the budget; infinite where the step's I/O alone leaves XLA no budget (XLA: 0)."""
+        return self.temp_bytes / self.temp_budget if self.temp_budget > 0 else math.inf
 
     def slop_for(self, total_bytes: float) -> int:
         """The smallest slop factor whose budget lets the step's total (I/O + temporaries) reach `total_bytes`."""
+        if self.base <= 0:
+            return 100
         return max(1, min(100, math.ceil(100 * (total_bytes - self.io_bytes) / self.base)))
 
     def verdict(self, planned_total: float) -> str:

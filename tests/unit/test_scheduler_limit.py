@@ -60,3 +60,11 @@ def test_slop_percent_reads_the_last_flag_and_defaults_to_xlas() -> None:
     assert scheduler_limit.slop_percent("--xla_gpu_enable_latency_hiding_scheduler=true") == 95
     flags = "--xla_gpu_memory_limit_slop_factor=80 --foo=1 --xla_gpu_memory_limit_slop_factor=55"
     assert scheduler_limit.slop_percent(flags) == 55
+
+
+def test_arguments_past_80_percent_of_the_gpu_leave_no_budget() -> None:
+    """XLA logs an error and schedules to a budget of 0; the verdict says the step needs what it took."""
+    gib = 2**30
+    limit = scheduler_limit.of({"argument_size": 70 * gib, "temp_size": 5 * gib}, 80 * gib, "")
+    assert limit.used == float("inf") and limit.slop_for(90 * gib) == 100
+    assert limit.verdict(90 * gib).startswith("above it")
