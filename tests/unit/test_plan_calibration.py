@@ -17,7 +17,7 @@ import pytest
 from maxtext_moe import cli
 from maxtext_moe.plan import scheduler_limit
 from maxtext_moe.plan.estimate import Plan, estimate
-from maxtext_moe.recipe import hardware, maxtext_keys
+from maxtext_moe.recipe import maxtext_keys
 from maxtext_moe.upstream import deviceless
 
 GIB = 2**30
@@ -194,11 +194,10 @@ def test_the_budgets_compiled_with_are_the_ones_the_plans_ask_for() -> None:
     """The slop factor each budgeted compile ran with is the one `plan --compile` names for the recipe as
     shipped, so the records stay tied to the plan (and to XLA's rule) they were made for."""
     for recipe, (_, slop) in COMPILED_671B.items():
-        shipped = compiled_record(SHIPPED_671B[recipe])
-        limit = scheduler_limit.of(
-            shipped["compiled"]["memory"], deviceless.device_memory_bytes(hardware.profile(recipe.split("-")[2])), ""
-        )
-        planned = estimate(cli.resolve(recipe, [])).memory.device_total
+        resolved = cli.resolve(recipe, [])
+        device_memory = deviceless.device_memory_bytes(resolved.topology.profile)
+        limit = scheduler_limit.of(compiled_record(SHIPPED_671B[recipe])["compiled"]["memory"], device_memory, "")
+        planned = estimate(resolved).memory.device_total
         if slop == scheduler_limit.DEFAULT_SLOP_PERCENT:
             assert limit.verdict(planned).startswith("within it"), recipe
         else:
