@@ -163,15 +163,17 @@ SHIPPED_671B = {
     "deepseek3-671b-gb200-128": "plan_compile_deviceless_671b_gb200_128_tied",
     "deepseek3-671b-gb300-1024": "plan_compile_deviceless_671b_gb300_1024_tied",
 }
-# The compile each recipe's plan is held to, and the slop factor it ran with (XLA's 95 unless named). As
-# shipped, the Blackwell recipes' temporaries fill XLA's scheduler budget on a 186 / 288 GB GPU (134.2 and
+# As shipped, the Blackwell recipes' temporaries fill XLA's scheduler budget on a 186 / 288 GB GPU (134.2 and
 # 204.7 GiB, tests/unit/test_scheduler_limit.py): buffers held early for overlap, XLA's choice and not the
 # step's floor. Compiled with the budget the plan gives them (`SchedulerLimit.slop_for`), they keep near it.
-COMPILED_671B = {
-    "deepseek3-671b-h200-128": ("plan_compile_deviceless_671b_h200_128_tied", 95),
-    "deepseek3-671b-h100-256": ("plan_compile_deviceless_671b_h100_256_tied", 95),
+AT_PLAN_BUDGET = {
     "deepseek3-671b-gb200-128": ("plan_compile_deviceless_671b_gb200_128_budget_plan", 55),
     "deepseek3-671b-gb300-1024": ("plan_compile_deviceless_671b_gb300_1024_budget_plan", 32),
+}
+# The compile each recipe's plan is held to, and the slop factor it ran with.
+COMPILED_671B = {
+    recipe: AT_PLAN_BUDGET.get(recipe, (name, scheduler_limit.DEFAULT_SLOP_PERCENT))
+    for recipe, name in SHIPPED_671B.items()
 }
 
 
