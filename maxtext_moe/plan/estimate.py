@@ -44,11 +44,12 @@ ATTENTION_EFFICIENCY = 0.41
 EMPTY_ROW_COST = 0.79
 # FP8 expert GEMMs: seconds per element of the tensors quantized per routed copy (input and hidden
 # activation forward, their gradients backward: 2 x (emb + moe_mlp)); TE's unfused cast/transpose passes.
-# Set by the FP8 rungs (proxy_h200_1gpu_run{4,5,6,7,8,10}_*fp8*.json, 2gpu_run9_*fp8*): FP8 pays 1-3% there.
-# Some FP8 calls also paid TE's per-group amax scatters (up to 135 ms a step, docs/PERFORMANCE.md), which the
-# scatter-free scales (upstream/te_group_scales.py) remove: the one rung measured with them (no JSON: stopped
-# after its last step) ran 1.068 s where this model says 1.15, so the term is likely high for them now.
-QUANTIZE_S_PER_ELEMENT = 1.2e-11
+# Set by every FP8 rung (proxy_h200_1gpu_*fp8*.json, 2gpu_run9_*fp8*), refitted with the four rungs of the
+# scatter-free group scales (upstream/te_group_scales.py; proxy_h200_1gpu_2026-12-01_night_*.json, planned
+# 8-9% slow at 1.2e-11). Rungs recorded before them paid TE's per-group amax scatters in some calls (up to 135
+# ms a step, docs/PERFORMANCE.md) and planned 1-3% fast at 1.2e-11; this value minimises the squared relative
+# error over all rungs.
+QUANTIZE_S_PER_ELEMENT = 1.0e-11
 # Routing, permute and unpermute (sort, gather, scatter, top-k) per routed (token, expert) copy per MoE
 # layer, by block: MaxText's sparse_matmul sorts and scatters through XLA, ours runs its own permutation.
 # TE's block (`te_moe_block`, no proxy rung) permutes in TE's fused kernels and is priced as ours. The
