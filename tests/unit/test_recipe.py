@@ -344,6 +344,16 @@ def test_advice_names_the_uncapped_ep_buffer_and_the_attention_rerun():
     assert advice.notes(compose_resolve(one, "moe.impl=maxtext")) == []  # MaxText's block as it is
 
 
+def test_advice_names_delayed_scaling_slower_loss_and_points_to_current_scaling():
+    from maxtext_moe.recipe import advice
+
+    one = "deepseek3-proxy-h200-1gpu"
+    (note,) = advice.notes(compose_resolve(one, "moe.fp8=current_scaling", "quantization=te_fp8_delayedscaling"))
+    assert "quantization: te_fp8_delayedscaling" in note and "4.72" in note and "te_fp8_currentscaling" in note
+    assert advice.notes(compose_resolve(one, "moe.fp8=current_scaling", "quantization=te_fp8_currentscaling")) == []
+    assert advice.notes(compose_resolve("deepseek3-671b-h200-128")) == []  # the Hopper recipes: current scaling
+
+
 def test_attention_section_refuses_unknown_residuals_naming_the_source():
     assert "command line: attention.residuals: must be one of recompute, save, got 'keep'." in error_of(
         TINY, "attention.residuals=keep"
