@@ -53,18 +53,28 @@ STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("copy/memset", ("memcpy", "memset")),
 )
 BACKWARD = ("bprop", "bwd", "backward", "dgrad", "wgrad")
+_KERNEL_NAME = re.compile(r"[.\-]")
 _OP_NAME = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?metadata=\{[^}]*op_name="([^"]*)"')
 
 
 def op_names(hlo: Path) -> dict[str, str]:
-    """HLO instruction name -> its `op_name` (JAX's name stack) in an optimized-HLO text dump."""
+    """HLO instruction name -> its `op_name` (JAX's name stack) in an optimized-HLO text dump; each name also
+    as the kernel name XLA gives a fusion ('.' and '-' as '_'), for `op_name_of`."""
     names: dict[str, str] = {}
     with hlo.open(encoding="utf-8", errors="replace") as f:
         for line in f:
             m = _OP_NAME.match(line)
             if m:
                 names.setdefault(m.group(1), m.group(2))
+                names.setdefault(_KERNEL_NAME.sub("_", m.group(1)), m.group(2))
     return names
+
+
+def op_name_of(kernel: str, hlo_op: str, names: dict[str, str]) -> str:
+    """The name stack of what a kernel computed. XLA runs sequences of kernels as command buffers (CUDA
+    graphs), and the trace then gives the buffer as each kernel's HLO op, which has none: the kernel's own
+    name, its fusion's, is the link left."""
+    return names.get(hlo_op) or names.get(kernel, "")
 
 
 def find_hlo(run: Path) -> Path | None:
@@ -150,7 +160,7 @@ def summarize(trace: Path, top: int, hlo: Path | None = None) -> dict[str, Any]:
                 by_op[op or "(no hlo_op)"] += ms
                 by_cat[category(ev.name, op)] += ms
                 if names:
-                    by_stage[stage(ev.name, op, names.get(op, ""))] += ms
+                    by_stage[stage(ev.name, op, op_name_of(ev.name, op, names))] += ms
                 spans.append((ev.start_ns, ev.start_ns + ev.duration_ns))
         if spans:
             first, last = min(first, min(s for s, _ in spans)), max(last, max(e for _, e in spans))

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from maxtext_moe.moe.layer import MoEConfig, init_params, moe_forward
 from maxtext_moe.moe.routing import RoutingConfig
@@ -17,7 +18,9 @@ from maxtext_moe.tools import profile
 CFG = MoEConfig(64, 32, RoutingConfig(num_experts=8, top_k=2, n_groups=2, topk_groups=1), shared_mlp_dim=32)
 
 
-def test_compiled_step_ops_fall_into_the_block_stages(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def step_hlo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A compiled training step of the MoE block (gradient, then an update), as `bench --profile` dumps it."""
     params = init_params(jax.random.key(0), CFG, jnp.float32)
     x = jax.random.normal(jax.random.key(1), (64, CFG.emb_dim))
 
@@ -25,9 +28,13 @@ def test_compiled_step_ops_fall_into_the_block_stages(tmp_path: Path) -> None:
         grads = jax.grad(lambda p: jnp.sum(moe_forward(p, x, CFG, ExpertPath())[0] ** 2))(p)
         return jax.tree.map(lambda w, g: w - 1e-3 * jnp.sign(g), p, grads)
 
-    hlo = tmp_path / "jit_train_step.after_optimizations.txt"
+    hlo = tmp_path_factory.mktemp("hlo") / "jit_train_step.after_optimizations.txt"
     hlo.write_text(jax.jit(step).lower(params, x).compile().as_text())
-    names = profile.op_names(hlo)
+    return hlo
+
+
+def test_compiled_step_ops_fall_into_the_block_stages(step_hlo: Path) -> None:
+    names = profile.op_names(step_hlo)
     stages = Counter(profile.stage(op, op, name) for op, name in names.items())
     assert stages["routing, permute, unpermute"] and stages["expert GEMMs"] and stages["optimizer"], stages
     routing = [n for op, n in names.items() if profile.stage(op, op, n) == "routing, permute, unpermute"]
@@ -35,3 +42,20 @@ def test_compiled_step_ops_fall_into_the_block_stages(tmp_path: Path) -> None:
     assert profile.stage("nvjet_sm90_tst_128x256", "custom-call.3", "jit(s)/jvp()/dot_general") == "dense GEMMs"
     assert profile.stage("cudnn_fmha_bprop", "custom-call.9", "") == "attention backward"
     assert profile.stage("ncclDevKernel_AllGather", "all-gather-start", "") == "communication"
+
+
+def test_a_kernel_run_inside_a_command_buffer_takes_the_stage_of_its_own_fusion(step_hlo: Path) -> None:
+    """On the GPU XLA runs sequences of kernels as command buffers (CUDA graphs), and the profile then gives the
+    buffer as each kernel's HLO op, which has no name stack. The AdamW update of the H200 proxy ran so in BF16
+    and was counted as "other"; the kernel's own name (its fusion's, with '.' and '-' as '_') still says."""
+    names = profile.op_names(step_hlo)
+    fusions = {op: n for op, n in names.items() if "fusion" in op and "." in op and n}
+    assert fusions
+    for op, name in fusions.items():
+        kernel = op.replace(".", "_").replace("-", "_")
+        assert profile.op_name_of(kernel, "command_buffer_875", names) == name
+        assert profile.stage(kernel, "command_buffer_875", name) == profile.stage(op, op, name)
+    assert "optimizer" in {profile.stage(op, "command_buffer_875", n) for op, n in fusions.items()}
+    op, name = next(iter(fusions.items()))
+    assert profile.op_name_of("nvjet_sm90_tst_128x256", op, names) == name  # an op's own name stack comes first
+    assert profile.op_name_of("nvjet_sm90_tst_128x256", "command_buffer_875", names) == ""
