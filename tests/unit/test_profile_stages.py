@@ -46,8 +46,8 @@ def test_compiled_step_ops_fall_into_the_block_stages(step_hlo: Path) -> None:
 
 def test_a_kernel_run_inside_a_command_buffer_takes_the_stage_of_its_own_fusion(step_hlo: Path) -> None:
     """On the GPU XLA runs sequences of kernels as command buffers (CUDA graphs), and the profile then gives the
-    buffer as each kernel's HLO op, which has no name stack. The AdamW update of the H200 proxy ran so in BF16
-    and was counted as "other"; the kernel's own name (its fusion's, with '.' and '-' as '_') still says."""
+    buffer as each kernel's HLO op, which has no name stack (the H200 proxy's BF16 profile counted its AdamW
+    update as "other"); the kernel's own name (its fusion's, with '.' and '-' as '_') still says."""
     names = profile.op_names(step_hlo)
     fusions = {op: n for op, n in names.items() if "fusion" in op and "." in op and n}
     assert fusions
