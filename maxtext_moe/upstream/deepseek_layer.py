@@ -284,9 +284,11 @@ def install(settings: MoeSettings) -> type[OurDeepSeekMoELayer]:
     layer = type(OurDeepSeekMoELayer.__name__, (OurDeepSeekMoELayer,), {"settings": settings})
     layer.__qualname__ = OurDeepSeekMoELayer.__qualname__
     deepseek.DeepSeekMoELayer = layer
+    kernel = [settings.gemm] + [f"FP8 {settings.fp8}"] * (settings.fp8 != "none")
+    kernel += ["wi_0 and wi_1 fused"] * (settings.gate_up == "fused")
     log.info(
         "moe.impl=ours: maxtext.models.deepseek.DeepSeekMoELayer -> %s (grouped GEMM %s)",
         layer.__qualname__,
-        settings.gemm if settings.fp8 == "none" else f"{settings.gemm}, FP8 {settings.fp8}",
+        ", ".join(kernel),
     )
     return layer

@@ -194,3 +194,41 @@ def test_minimal_remat_recomputes_no_grouped_gemm() -> None:
     without_remat = grouped_gemms("no remat")
     assert grouped_gemms(nnx_decoders.NNXDecoder.minimal_policy(None)) == without_remat
     assert grouped_gemms(None) == without_remat + 3
+
+
+FUSED = ExpertPath(fused_gate_up=True)
+
+
+def test_fused_gate_up_computes_the_separate_gemms() -> None:
+    """One grouped GEMM over [wi_0 | wi_1] gives the layer's outputs and every gradient of the two GEMMs."""
+    params = init_params(jax.random.key(7), CFG, jnp.float32)
+    x = jax.random.normal(jax.random.key(8), (96, CFG.emb_dim))
+    cot = jax.random.normal(jax.random.key(9), x.shape)
+
+    def loss(p: dict, x: jax.Array, path: ExpertPath) -> jax.Array:
+        return jnp.sum(moe_forward(p, x, CFG, path)[0] * cot)
+
+    grad = jax.jit(jax.value_and_grad(loss, (0, 1)), static_argnums=2)
+    (fused, g_fused), (separate, g_separate) = grad(params, x, FUSED), grad(params, x, ExpertPath())
+    assert abs(float(fused) - float(separate)) <= 1e-5 * abs(float(separate))
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g_fused)[0], jax.tree.leaves(g_separate), strict=True):
+        assert rel(a, b) < 1e-5 if np.asarray(b).any() else not np.asarray(a).any(), path
+
+
+def test_fused_gate_up_runs_one_gemm_fewer_and_minimal_remat_reruns_none() -> None:
+    """Forward: two grouped GEMMs instead of three, and one fewer in the backward pass too. Under
+    `remat_policy: minimal` the fused output is saved (it carries the names of both halves), so nothing reruns."""
+    from maxtext.layers import nnx_decoders
+
+    params = init_params(jax.random.key(4), CFG, jnp.float32)
+    x = jax.random.normal(jax.random.key(5), (64, CFG.emb_dim))
+
+    def grouped_gemms(path: ExpertPath, policy: object = "no remat", grad: bool = True) -> int:
+        loss = lambda p, x: jnp.sum(moe_forward(p, x, CFG, path)[0] ** 2)  # noqa: E731
+        f = loss if policy == "no remat" else jax.checkpoint(loss, policy=policy)
+        return str(jax.make_jaxpr(jax.value_and_grad(f) if grad else f)(params, x)).count("ragged_dot_general")
+
+    assert grouped_gemms(FUSED, grad=False) == grouped_gemms(ExpertPath(), grad=False) - 1 == 2
+    assert grouped_gemms(FUSED) == grouped_gemms(ExpertPath()) - 2
+    assert grouped_gemms(FUSED, nnx_decoders.NNXDecoder.minimal_policy(None)) == grouped_gemms(FUSED)
+    assert grouped_gemms(FUSED, None) == grouped_gemms(FUSED) + 2
