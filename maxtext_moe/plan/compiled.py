@@ -223,8 +223,10 @@ def compile_in_subprocess(
     every_s: float = PROGRESS_EVERY_S,
 ) -> dict:
     """Run `upstream.aot` on `compiled` in a fresh Python; its log stays in a temporary folder on failure.
-    A 671B compile takes many minutes, so `progress` gets a line every `every_s` seconds."""
+    A 671B compile takes many minutes, so `progress` gets a line every `every_s` seconds. The result also
+    holds the `XLA_FLAGS` the compile ran with (`xla_flags`), which set the scheduler's budget."""
     xla_flags.check(compiled)
+    env = _env(compiled, route)
     work = Path(tempfile.mkdtemp(prefix="maxtext-moe-compile-"))
     request = {
         "maxtext": compiled.maxtext,
@@ -242,7 +244,7 @@ def compile_in_subprocess(
     cmd = [sys.executable, "-m", "maxtext_moe.upstream.aot", str(work / "request.json"), str(work / "result.json")]
     start = time.monotonic()
     with log.open("w", encoding="utf-8") as f:
-        proc = subprocess.Popen(cmd, env=_env(compiled, route), stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
         try:
             while _wait(proc, min(every_s, max(0.0, start + timeout_s - time.monotonic()))) is None:
                 if time.monotonic() - start >= timeout_s:
@@ -265,7 +267,7 @@ def compile_in_subprocess(
         )
     result = json.loads((work / "result.json").read_text(encoding="utf-8"))
     shutil.rmtree(work, ignore_errors=True)
-    return result
+    return result | {"xla_flags": env.get("XLA_FLAGS", "")}
 
 
 def _last_error(log: Path) -> str:
@@ -382,7 +384,7 @@ def run(ref: str, overrides: Sequence[str], r: ResolvedRecipe, *, gpus_here: int
         else scheduler_limit.of(
             result["memory"],
             deviceless.device_memory_bytes(hw),
-            _env(compiled, route).get("XLA_FLAGS", ""),
+            result["xla_flags"],
         )
     )
     planned = memory.per_gpu(Model.from_recipe(r), lay)
