@@ -133,11 +133,6 @@ def expert_mlp(
     `mlpwi_0`, `mlpwi_1`, `mlpwo`) recomputes the wi_1 grouped GEMM in the backward pass.
     `partial`: the groups may end before the last row (see `grouped_matmul`). An FP8 path pads the groups
     once for the three GEMMs, unless the caller already has (`groups_aligned`, as `expert_mlp_on_copies`).
-    `path.fused_gate_up` runs wi_0 and wi_1 as one grouped GEMM over their weights side by side: the rows
-    are read (and, in FP8, quantized) once, the backward's input gradient is one GEMM instead of two summed,
-    for a copy of the two weights each pass. Its output carries all four names, so a policy saving either
-    half saves both (`moe_checks` refuses a custom policy that treats them apart). The parameters stay
-    MaxText's two.
     """
     align = group_align(path.fp8)
     if align > 1 and not groups_aligned:
@@ -152,21 +147,10 @@ def expert_mlp(
         groups_aligned=groups_aligned,
     )
     with jax.named_scope(scopes.EXPERTS):
-        if path.fused_gate_up:
-            h = gmm(x_sorted, jnp.concatenate([experts["wi_0"], experts["wi_1"]], axis=-1))
-            h0, h1 = jnp.split(_named(h, "mlpwi_0", "moe_mlpwi_0", "mlpwi_1", "moe_mlpwi_1"), 2, axis=-1)
-        else:
-            h0 = _named(gmm(x_sorted, experts["wi_0"]), "mlpwi_0", "moe_mlpwi_0")
-            h1 = _named(gmm(x_sorted, experts["wi_1"]), "mlpwi_1", "moe_mlpwi_1")
+        h0 = checkpoint_name(checkpoint_name(gmm(x_sorted, experts["wi_0"]), "mlpwi_0"), "moe_mlpwi_0")
+        h1 = checkpoint_name(checkpoint_name(gmm(x_sorted, experts["wi_1"]), "mlpwi_1"), "moe_mlpwi_1")
         act = (jax.nn.silu(h0.astype(jnp.float32)) * h1.astype(jnp.float32)).astype(x_sorted.dtype)
-        return _named(gmm(act, experts["wo"]), "mlpwo", "moe_mlpwo")
-
-
-def _named(x: jax.Array, *names: str) -> jax.Array:
-    """`x` under each of MaxText's remat `names`: a policy that saves any of them saves it."""
-    for name in names:
-        x = checkpoint_name(x, name)
-    return x
+        return checkpoint_name(checkpoint_name(gmm(act, experts["wo"]), "mlpwo"), "moe_mlpwo")
 
 
 def expert_mlp_on_copies(

@@ -19,8 +19,6 @@ Block = Literal["maxtext", "ours"]
 Backend = Literal["ragged_dot", "tokamax", "te"]
 TeGemmPath = Literal["auto", "v1", "v2"]  # requested; gemm.TePath is the one chosen
 Fp8 = Literal["none", "current_scaling", "mxfp8"]
-# wi_0 and wi_1 as two grouped GEMMs over the same rows, or one over their weights side by side.
-GateUp = Literal["separate", "fused"]
 Exchange = Literal["auto", "all_to_all", "ragged_all_to_all", "nccl_ep"]
 # How one EP exchange is computed: the recipe's `exchange` resolved ("auto" is "all_to_all"), or the
 # all_gather emulation that the CPU reference runs under `vmap`. "nccl_ep" is TE's NCCL EP dispatch and
@@ -41,7 +39,6 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "te_gemm_path": get_args(TeGemmPath),
     "fp8": FP8_MODES,
     "exchange": get_args(Exchange),
-    "gate_up": get_args(GateUp),
 }
 
 
@@ -67,15 +64,14 @@ class Sourced(Protocol):
 class MoeSettings:
     """Which routed-MoE block runs and how: `impl` maxtext (MaxText's own block, tuned with MaxText keys;
     the other fields then do not apply) or ours, with its grouped-GEMM `gemm` backend, TE's grouped-GEMM
-    path, FP8 expert GEMMs (TE's per-tensor current scaling on Hopper and later, or MXFP8 on Blackwell), the
-    EP `exchange`, and whether the gate and up projections run as one grouped GEMM (`gate_up`)."""
+    path, FP8 expert GEMMs (TE's per-tensor current scaling on Hopper and later, or MXFP8 on Blackwell) and
+    the EP `exchange`."""
 
     impl: Block = "maxtext"
     gemm: Backend = "ragged_dot"
     te_gemm_path: TeGemmPath = "auto"
     fp8: Fp8 = "none"
     exchange: Exchange = "auto"
-    gate_up: GateUp = "separate"
 
     @property
     def ours(self) -> bool:
@@ -210,7 +206,6 @@ class ExpertPath:
     dedup          send a token once per destination rank (ours), not once per chosen expert (MaxText's)
     axis_name      the mesh (or vmap) axis the experts are split over
     own_adjoint    the exchange's own adjoint (False under `vmap`, where a custom VJP loses the axis name)
-    fused_gate_up  wi_0 and wi_1 as one grouped GEMM over their concatenated weights (`layer.expert_mlp`)
     """
 
     backend: Backend = "ragged_dot"
@@ -220,18 +215,11 @@ class ExpertPath:
     dedup: bool = True
     axis_name: str = EP_AXIS
     own_adjoint: bool = True
-    fused_gate_up: bool = False
 
     @classmethod
     def of(cls, settings: MoeSettings, buffer_factor: float = -1.0) -> ExpertPath:
         """The path a recipe's settings ask for, with MaxText's `ragged_buffer_factor`."""
-        return cls(
-            settings.gemm,
-            settings.fp8,
-            settings.exchange_impl,
-            buffer_factor,
-            fused_gate_up=settings.gate_up == "fused",
-        )
+        return cls(settings.gemm, settings.fp8, settings.exchange_impl, buffer_factor)
 
 
 DEFAULT_PATH = ExpertPath()  # ragged_dot in the compute dtype: runs on every backend

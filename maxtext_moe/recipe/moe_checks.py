@@ -82,15 +82,6 @@ def settings(section: Mapping[str, Sourced], check: Checker, topo: Topology) -> 
             "(segmentation fault) on scanned decoder layers; unrolled layers train.",
             "set scan_layers: false, or moe.gemm: tokamax.",
         )
-    if settings.gate_up == "fused" and check.value("remat_policy") == "custom":
-        for gate, up in (("mlpwi_0", "mlpwi_1"), ("moe_mlpwi_0", "moe_mlpwi_1")):
-            if check.value(gate) != check.value(up):
-                check.fail(
-                    up,
-                    f"is {check.value(up)!r} and {gate} is {check.value(gate)!r}, but with moe.gate_up: fused "
-                    "both come out of one grouped GEMM, kept whole when either is.",
-                    f"set {up}: {check.value(gate)}, or moe.gate_up: separate.",
-                )
     if settings.exchange == "nccl_ep":
         _nccl_ep(section, check, topo, expert_parallel, split)
     return settings

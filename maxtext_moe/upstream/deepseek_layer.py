@@ -284,11 +284,9 @@ def install(settings: MoeSettings) -> type[OurDeepSeekMoELayer]:
     layer = type(OurDeepSeekMoELayer.__name__, (OurDeepSeekMoELayer,), {"settings": settings})
     layer.__qualname__ = OurDeepSeekMoELayer.__qualname__
     deepseek.DeepSeekMoELayer = layer
-    kernel = [settings.gemm] + [f"FP8 {settings.fp8}"] * (settings.fp8 != "none")
-    kernel += ["wi_0 and wi_1 fused"] * (settings.gate_up == "fused")
     log.info(
         "moe.impl=ours: maxtext.models.deepseek.DeepSeekMoELayer -> %s (grouped GEMM %s)",
         layer.__qualname__,
-        ", ".join(kernel),
+        settings.gemm if settings.fp8 == "none" else f"{settings.gemm}, FP8 {settings.fp8}",
     )
     return layer

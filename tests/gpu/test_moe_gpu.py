@@ -65,12 +65,6 @@ def test_te_fp8_current_scaling_close_to_reference() -> None:
     assert np.any(sizes % 16), "the groups happened to be aligned: the padding went untested"
 
 
-@pytest.mark.parametrize(("fp8", "tol"), [("none", BF16_TOL), ("current_scaling", FP8_TOL)])
-def test_te_fused_gate_up_close_to_reference(fp8: str, tol: tuple[float, float]) -> None:
-    """wi_0 and wi_1 as one TE grouped GEMM (`moe.gate_up: fused`), BF16 and FP8 (one scale for both weights)."""
-    check_against_reference(CFG, ExpertPath(backend="te", fp8=fp8, fused_gate_up=True), tol)
-
-
 @pytest.mark.parametrize("backend", ["tokamax", "te"])
 def test_partial_groups_match_ragged_dot(backend: str) -> None:
     """Rows past the groups (the expert-parallel receive buffer's empty slots): the real kernels, guarded,

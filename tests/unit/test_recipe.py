@@ -256,7 +256,6 @@ def test_moe_section_defaults_and_checks():
         "te_gemm_path": "auto",
         "fp8": "none",
         "exchange": "auto",
-        "gate_up": "separate",
     }
     assert r.attention == {"residuals": "recompute"}
     assert r.sources["moe.gemm"] == "default for cpu"
@@ -312,19 +311,6 @@ def test_moe_fp8_needs_te_and_fp8_hardware():
         TINY, "moe.impl=ours", "moe.fp8=current_scaling"
     )
     assert "moe.fp8: applies only to moe.impl: ours" in error_of(TINY, "moe.fp8=current_scaling")
-
-
-def test_fused_gate_up_is_ours_only_and_needs_a_custom_policy_that_keeps_both_halves_alike():
-    proxy = "deepseek3-proxy-h200-1gpu"
-    assert compose_resolve(proxy, "moe.gate_up=fused").moe_settings.gate_up == "fused"
-    assert "moe.gate_up: must be one of separate, fused, got 'one'." in error_of(proxy, "moe.gate_up=one")
-    assert "moe.gate_up: applies only to moe.impl: ours" in error_of(TINY, "moe.gate_up=fused")
-    custom = ("moe.gate_up=fused", "remat_policy=custom", "decoder_layer_input=device", "moe_mlpwi_0=device")
-    message = error_of(proxy, *custom, "moe_mlpwi_1=offload")
-    assert "moe_mlpwi_1: is 'offload' and moe_mlpwi_0 is 'device', but with moe.gate_up: fused" in message
-    assert "Fix: set moe_mlpwi_1: device, or moe.gate_up: separate." in message
-    assert compose_resolve(proxy, *custom, "moe_mlpwi_1=device").moe_settings.gate_up == "fused"
-    assert compose_resolve(proxy, *custom[1:], "moe_mlpwi_1=offload").moe_settings.gate_up == "separate"
 
 
 def test_advice_names_the_scanned_te_step_that_computes_gemms_twice():
