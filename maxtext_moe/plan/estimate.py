@@ -127,7 +127,7 @@ class Plan:
             f"  FLOPs/token: {f.total / 1e9:.1f} GFLOP (MTP {'in' if m.mtp_layers else 'out'}; MaxText's count "
             f"{f.maxtext / 1e9:.1f}; without MTP {f.without_mtp / 1e9:.1f}); seq {lay.seq}",
             f"  memory/GPU: {mem.device_total / GIB:.1f} GiB of {lay.usable_gib:.1f} GiB usable "
-            f"({lay.hardware.hbm_gib:.1f} GiB x {lay.mem_fraction:g}) -> {verdict}",
+            f"({lay.hardware.cuda_memory_gib:.1f} GiB x {lay.mem_fraction:g}) -> {verdict}",
             f"    largest: {top} (GiB)",
         ]
         lines += [f"    {k}: {v / GIB:.2f} GiB" for k, v in mem.device.items()]

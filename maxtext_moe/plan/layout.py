@@ -102,7 +102,7 @@ class Layout:
 
     @property
     def usable_gib(self) -> float:
-        return self.hardware.hbm_gib * self.mem_fraction
+        return self.hardware.cuda_memory_gib * self.mem_fraction
 
     def describe(self) -> str:
         axes = [

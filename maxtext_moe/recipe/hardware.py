@@ -4,6 +4,11 @@ MaxText knows only `hardware=gpu|cpu|tpu`; it cannot tell a Hopper from a Blackw
 refuse MXFP8 experts on an H200 before compiling. These profiles fill that gap. Figures are the
 vendors' published dense (no sparsity) peaks; `measured_*` fields are
 rates measured on the lent H200 and are used only where stated.
+
+Device memory is the total CUDA reports (`cudaMemGetInfo`, PyTorch's "total capacity"), the figure
+XLA_PYTHON_CLIENT_MEM_FRACTION takes its share of: the vendors' "141 GB" is about 139.8 GiB on an H200,
+not the 131.3 GiB that 141 x 10^9 bytes would be, so a planner reading the vendor figure as decimal refused
+batches that run.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ class Hardware:
     peak_bf16_tflops: float
     peak_fp8_tflops: float | None  # None: no FP8 matrix units
     hbm_gb: float  # vendor figure, 10^9 bytes
+    cuda_memory_gib: float  # total device memory CUDA reports, which XLA's allocator takes its fraction of
     hbm_tbps: float
     intra_node_gbps: float  # per direction, per device (NVLink)
     inter_node_gbps: float  # per direction, per device (network)
@@ -29,10 +35,6 @@ class Hardware:
     host_mem_gb: float  # host memory per GPU (DGX H100/H200: 2 TB per 8 GPUs; Grace: 480 GB per 2 GPUs)
 
     @property
-    def hbm_gib(self) -> float:
-        return self.hbm_gb * 1e9 / 2**30
-
-    @property
     def fp8(self) -> bool:
         return self.peak_fp8_tflops is not None
 
@@ -40,11 +42,15 @@ class Hardware:
 PROFILES: dict[str, Hardware] = {
     p.name: p
     for p in (
-        Hardware("cpu", "cpu", None, 0.0, None, 0.0, 0.0, 0.0, 0.0, 0.0, 1, False, 1, 0.0),
-        Hardware("h100", "gpu", (9, 0), 989.0, 1979.0, 80.0, 3.35, 450.0, 50.0, 64.0, 8, False, 8, 256.0),
-        Hardware("h200", "gpu", (9, 0), 989.0, 1979.0, 141.0, 4.8, 450.0, 50.0, 64.0, 8, False, 8, 256.0),
-        Hardware("gb200", "gpu", (10, 0), 2500.0, 5000.0, 186.0, 8.0, 900.0, 100.0, 450.0, 4, True, 72, 240.0),
-        Hardware("gb300", "gpu", (10, 3), 2500.0, 5000.0, 288.0, 8.0, 900.0, 100.0, 450.0, 4, True, 72, 240.0),
+        Hardware("cpu", "cpu", None, 0.0, None, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1, False, 1, 0.0),
+        # CUDA's totals: the H200's is XLA's allocator limit measured on the lent one (123.03 GiB at 0.88,
+        # docs/results/proxy_h200_1gpu_2026-12-01_night_call5_fp8_dense_b8_oom.txt); the others are the
+        # "total capacity" PyTorch's out-of-memory errors print on them (H100 SXM 80 GB 79.11 GiB, GB200
+        # 184.31, GB300 276.50 on a DGX Station), as public issue threads quote them.
+        Hardware("h100", "gpu", (9, 0), 989.0, 1979.0, 80.0, 79.11, 3.35, 450.0, 50.0, 64.0, 8, False, 8, 256.0),
+        Hardware("h200", "gpu", (9, 0), 989.0, 1979.0, 141.0, 139.81, 4.8, 450.0, 50.0, 64.0, 8, False, 8, 256.0),
+        Hardware("gb200", "gpu", (10, 0), 2500.0, 5000.0, 186.0, 184.31, 8.0, 900.0, 100.0, 450.0, 4, True, 72, 240.0),
+        Hardware("gb300", "gpu", (10, 3), 2500.0, 5000.0, 288.0, 276.50, 8.0, 900.0, 100.0, 450.0, 4, True, 72, 240.0),
     )
 }
 

@@ -61,6 +61,8 @@ class BenchResult:
     moe: dict[str, Any]  # the recipe's moe section (which routed-MoE block and grouped GEMM)
     attention: dict[str, Any]  # the recipe's attention section (residuals kept or recomputed)
     profile: dict[str, Any] | None = None  # tools.profile summary of two warm-up steps (--profile)
+    device_memory_limit_gib: float | None = None  # what XLA's allocator had: the planner's usable memory
+    env: dict[str, str] = dataclasses.field(default_factory=dict)  # the recipe's process environment
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -68,6 +70,8 @@ class BenchResult:
     def render(self) -> str:
         pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"  # noqa: E731
         mem = "n/a" if self.peak_device_memory_gib is None else f"{self.peak_device_memory_gib:.1f} GiB"
+        if self.peak_device_memory_gib is not None and self.device_memory_limit_gib:
+            mem += f" of the {self.device_memory_limit_gib:.1f} XLA's allocator had"
         rows = [
             ("recipe", f"{self.recipe} on {self.devices} x {self.hardware}"),
             ("MoE block", ", ".join(f"{k} {v}" for k, v in self.moe.items())),
@@ -131,12 +135,12 @@ def profile_rows(profile: dict[str, Any], step_s: float) -> list[tuple[str, str]
     return rows
 
 
-def _peak_device_memory_gib() -> float | None:
+def _device_memory_gib(stat: str) -> float | None:
+    """A memory statistic of the first local device (`peak_bytes_in_use`, `bytes_limit`); None on the CPU."""
     import jax
 
-    stats = jax.local_devices()[0].memory_stats() or {}
-    peak = stats.get("peak_bytes_in_use")
-    return None if peak is None else peak / 2**30
+    value = (jax.local_devices()[0].memory_stats() or {}).get(stat)
+    return None if value is None else value / 2**30
 
 
 PROFILED_STEPS = (1, 2)  # warm-up steps after the compiling one: the timed steps stay untraced
@@ -233,7 +237,7 @@ def run(
         maxtext_tflops_per_gpu=statistics.median(m["perf/per_device_tflops_per_sec"] for m in timed),
         mfu_bf16=tflops / hw.peak_bf16_tflops if hw.peak_bf16_tflops else None,
         mfu_fp8=tflops / hw.peak_fp8_tflops if fp8 and hw.peak_fp8_tflops else None,
-        peak_device_memory_gib=_peak_device_memory_gib(),
+        peak_device_memory_gib=_device_memory_gib("peak_bytes_in_use"),
         host_peak_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         predicted_step_s=predicted.step_s if predicted else None,
         loss_first=losses[0],
@@ -245,6 +249,8 @@ def run(
         moe=resolved.moe,
         attention=resolved.attention,
         profile=_profile(bench_recipe, flops, tokens / devices) if profile else None,
+        device_memory_limit_gib=_device_memory_gib("bytes_limit"),
+        env=dict(resolved.env),
     )
 
 

@@ -47,6 +47,8 @@ def test_bench_reports_the_timed_steps(tmp_path):
     assert result["loss_finite_and_falling"] and result["loss_last"] < result["loss_first"]
     assert result["losses"] == [metrics[s]["learning/loss"] for s in range(4, 8)]
     assert result["predicted_step_s"] is None and result["mfu_bf16"] is None  # the CPU has no peak to compare
+    # The environment it ran with (the memory fraction the planner's usable memory depends on, on a GPU).
+    assert result["env"]["JAX_PLATFORMS"] == "cpu" and result["device_memory_limit_gib"] is None
     assert not (run / "checkpoints").exists()
     assert "step time" in r.stdout and "model TFLOPS/GPU" in r.stdout
 

@@ -10,6 +10,7 @@ with those keys as overrides, as a user would, and compare.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from maxtext_moe.recipe import maxtext_keys
 from maxtext_moe.upstream import deviceless
 
 GIB = 2**30
+MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
 TOLERANCE = 0.10
 # Run bookkeeping that does not change the compiled step.
@@ -88,7 +90,13 @@ def overrides(result: dict) -> list[str]:
     moe = dict(result.get("moe") or {"impl": "maxtext"})
     # Records made before attention.residuals had its own section kept it in moe, for our block only.
     attention = result.get("attention") or {"residuals": moe.pop("attention_residuals", "recompute")}
-    return keys + [f"moe.{k}={v}" for k, v in moe.items()] + [f"attention.{k}={v}" for k, v in attention.items()]
+    fraction = [f"env.{MEM_FRACTION}={v}" for k, v in (result.get("env") or {}).items() if k == MEM_FRACTION]
+    return (
+        keys
+        + [f"moe.{k}={v}" for k, v in moe.items()]
+        + [f"attention.{k}={v}" for k, v in attention.items()]
+        + fraction
+    )
 
 
 def measured_runs() -> list[tuple[str, dict]]:
@@ -148,6 +156,26 @@ def test_planned_step_time_within_tolerance_of_measured_median() -> None:
     assert {(r.get("moe") or {}).get("fp8", "none") for _, r in runs} == {"none", "current_scaling"}
     measured = {name: r["step_s_median"] for name, r in runs}
     check(measured, {name: planned(r).step_s for name, r in runs}, KNOWN_STEP_GAPS, "s")
+
+
+def test_every_measured_peak_within_what_the_planner_calls_usable() -> None:
+    """A run that ran is one `launch` must let run: its peak device memory within the planner's usable memory
+    at the memory fraction it ran with (recorded as `env` since bench writes it; the recipe's before)."""
+    over = [
+        f"{name}: {r['peak_device_memory_gib']:.1f} GiB > {planned(r).layout.usable_gib:.1f} usable"
+        for name, r in measured_runs()
+        if r["peak_device_memory_gib"] > planned(r).layout.usable_gib
+    ]
+    assert not over, over
+
+
+def test_usable_memory_is_the_share_xla_allocator_had() -> None:
+    """XLA's allocator takes XLA_PYTHON_CLIENT_MEM_FRACTION of the memory CUDA reports: MaxText logged its
+    limit on the H200 at the recipe's 0.88 (`Using (GB) used / limit`) when batch 8 ran out of memory."""
+    log = (RESULTS / "proxy_h200_1gpu_2026-12-01_night_call5_fp8_dense_b8_oom.txt").read_text()
+    limit = float(re.search(r"Using \(GB\) [\d.]+ / ([\d.]+)", log).group(1))
+    usable = estimate(cli.resolve("deepseek3-proxy-h200-1gpu", [])).layout.usable_gib
+    assert usable == pytest.approx(limit, rel=0.002)
 
 
 @pytest.mark.parametrize("recipe", ["deepseek3-proxy-h200-1gpu", "deepseek3-proxy-h200-2gpu"])
