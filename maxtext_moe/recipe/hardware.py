@@ -7,8 +7,7 @@ rates measured on the lent H200 and are used only where stated.
 
 Device memory is the total CUDA reports (`cudaMemGetInfo`, PyTorch's "total capacity"), the figure
 XLA_PYTHON_CLIENT_MEM_FRACTION takes its share of: the vendors' "141 GB" is about 139.8 GiB on an H200,
-not the 131.3 GiB that 141 x 10^9 bytes would be, so a planner reading the vendor figure as decimal refused
-batches that run.
+not the 131.3 GiB that 141 x 10^9 bytes would be.
 """
 
 from __future__ import annotations
