@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from maxtext_moe.errors import UserError
-from maxtext_moe.plan import layout, memory, peak, scheduler_limit
+from maxtext_moe.plan import exchange_overlap, layout, memory, peak, scheduler_limit
 from maxtext_moe.plan.model import Model
 from maxtext_moe.recipe import composition, maxtext_keys, validate, xla_flags
 from maxtext_moe.recipe.resolved import ResolvedRecipe
@@ -293,6 +293,7 @@ class CompiledPlan:
     at_peak: peak.Peak | None = None  # from the HLO dump, when the recipe's XLA flags asked for one
     peak_note: str = ""  # why a dump asked for gave no peak
     limit: scheduler_limit.SchedulerLimit | None = None  # XLA:GPU's scheduler budget, for the recipe's GPU kind
+    exchange: exchange_overlap.ExchangeOverlap | None = None  # what runs inside each all-to-all (HLO dump)
 
     @property
     def compiled_total(self) -> int:
@@ -324,6 +325,7 @@ class CompiledPlan:
             "state_compiled_over_planned": self.result["state_bytes"] / self.planned_state,
             "at_peak": asdict(self.at_peak) if self.at_peak else None,
             "scheduler_limit": self.limit.to_json(self.planned.device_total) if self.limit else None,
+            "exchange_overlap": self.exchange.to_json() if self.exchange else None,
         }
 
     def render(self) -> str:
@@ -349,6 +351,8 @@ class CompiledPlan:
                 f"  host (offloaded) per device: compiled {host / GIB:.2f} GiB, planned "
                 f"{self.planned.host_total / GIB:.2f} GiB"
             )
+        if self.exchange:
+            lines.append("  " + self.exchange.render())
         if self.at_peak:
             lines += ["  " + line for line in self.at_peak.render(top=10).splitlines()]
         elif self.peak_note:
@@ -366,6 +370,16 @@ def read_peak(r: ResolvedRecipe) -> tuple[peak.Peak | None, str]:
         return peak.find_peak(Path(dump.group(1))), ""
     except UserError as e:
         return None, f"what is alive at XLA's peak: not read from {dump.group(1)}: {e}"
+
+
+def read_exchange(r: ResolvedRecipe) -> exchange_overlap.ExchangeOverlap | None:
+    """The step's all-to-alls and what XLA scheduled inside them, from the HLO dump the recipe's flags asked
+    for; None without a dump, an unreadable one, or a step without all-to-alls."""
+    dump = _DUMP_TO.search(r.env.get("XLA_FLAGS", ""))
+    try:
+        return exchange_overlap.find(Path(dump.group(1))) if dump else None
+    except UserError:
+        return None
 
 
 def run(ref: str, overrides: Sequence[str], r: ResolvedRecipe, *, gpus_here: int | None = None) -> CompiledPlan:
@@ -388,4 +402,4 @@ def run(ref: str, overrides: Sequence[str], r: ResolvedRecipe, *, gpus_here: int
         )
     )
     planned = memory.per_gpu(Model.from_recipe(r), lay)
-    return CompiledPlan(r.name, route, planned, lay.describe(), result, at_peak, note, limit)
+    return CompiledPlan(r.name, route, planned, lay.describe(), result, at_peak, note, limit, read_exchange(compiled))

@@ -60,15 +60,23 @@ def _compile_without_gpu(*args: str) -> dict:
 
 @pytest.mark.gpu
 @NEEDS_PLUGIN
-def test_deviceless_compile_of_the_ep2_proxy_is_close_to_the_gpu_compile() -> None:
+def test_deviceless_compile_of_the_ep2_proxy_is_close_to_the_gpu_compile(tmp_path: Path) -> None:
     """No GPU used: the two-H200 EP2 proxy compiled for two described H200s, against the mock-topology compile
-    of the same recipe on a real H200 (docs/results/plan_compile_h200_proxy_2gpu.json)."""
-    result = _compile_without_gpu("deepseek3-proxy-h200-2gpu")
+    of the same recipe on a real H200 (docs/results/plan_compile_h200_proxy_2gpu.json). Its HLO dump says
+    what XLA scheduled inside each asynchronous all-to-all."""
+    dump = [f"xla_flags.xla_dump_to={tmp_path}", "xla_flags.xla_dump_hlo_as_text=true"]
+    dump.append("xla_flags.xla_dump_hlo_module_re=jit_train_step")
+    result = _compile_without_gpu("deepseek3-proxy-h200-2gpu", *dump)
     compiled = result["compiled"]
     assert result["route"] == "gpu-aot" and compiled["devices"] == 2 and "H200" in compiled["device_kind"]
     assert compiled["mesh"]["expert"] == 2 and result["state_compiled_over_planned"] == pytest.approx(1.0, abs=0.01)
     on_gpu = json.loads((REPO / "docs/results/plan_compile_h200_proxy_2gpu.json").read_text())["compiled"]
     assert compiled["device_total_bytes"] == pytest.approx(on_gpu["device_total_bytes"], rel=0.05)
+    windows = result["exchange_overlap"]["windows"]
+    assert len(windows) >= 40  # 50 when written: the step's EP exchanges, forward and backward
+    assert any(w["grouped_gemms"] for w in windows) and any(
+        not (w["dense_gemms"] or w["grouped_gemms"]) for w in windows
+    )
 
 
 @pytest.mark.gpu

@@ -1,0 +1,106 @@
+"""What XLA scheduled inside each all-to-all of a compiled step, read from its HLO dump.
+
+The gap: XLA:GPU runs an all-to-all asynchronously (a start and a done) and its latency-hiding scheduler
+decides what runs between the two; neither `memory_analysis()` nor a one-GPU profile shows it, and a
+two-GPU machine to profile EP on is not always at hand. An expert-parallel exchange with a GEMM scheduled
+inside it can hide behind that GEMM; one with nothing but small fusions inside is exposed. The entry
+computation of the optimized module XLA dumps (`xla_dump_to`, as text) lists instructions in schedule order.
+
+    maxtext-moe plan RECIPE --compile xla_flags.xla_dump_to=DIR xla_flags.xla_dump_hlo_as_text=true \\
+        xla_flags.xla_dump_hlo_module_re=jit_train_step
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from maxtext_moe.errors import UserError
+
+_COMPUTATION = re.compile(r"\n(?=%|ENTRY )")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?(%[\w.\-]+) = ")
+_CALLS = re.compile(r"calls=(%[\w.\-]+)")
+_ALL_TO_ALL = re.compile(r" all-to-all\(")
+_GROUPED_GEMM = 'custom_call_target="te_grouped_gemm_ffi"'
+# cuBLAS GEMMs as custom calls, or as XLA's GEMM fusions (`gemm_fusion_dot...`, kind kCustom).
+_DENSE_GEMM = re.compile(r'custom_call_target="__cublas|kind=kCustom, calls=%gemm_fusion')
+
+
+@dataclass(frozen=True)
+class Window:
+    """One asynchronous all-to-all: what XLA scheduled between its start and its done."""
+
+    instructions: int
+    dense_gemms: int
+    grouped_gemms: int
+
+    @property
+    def has_gemm(self) -> bool:
+        return bool(self.dense_gemms or self.grouped_gemms)
+
+
+@dataclass(frozen=True)
+class ExchangeOverlap:
+    windows: list[Window]  # asynchronous all-to-alls, in schedule order
+    synchronous: int  # all-to-alls run in place, with nothing beside them (XLA:CPU runs every one so)
+
+    def render(self) -> str:
+        total = len(self.windows) + self.synchronous
+        with_gemm = [w for w in self.windows if w.has_gemm]
+        return (
+            f"all-to-all: {total} in the step, {len(self.windows)} asynchronous; {len(with_gemm)} with a GEMM "
+            f"scheduled inside ({sum(1 for w in with_gemm if w.dense_gemms)} a dense GEMM, "
+            f"{sum(1 for w in with_gemm if w.grouped_gemms)} a TE grouped GEMM), "
+            f"{total - len(with_gemm)} with none (exposed unless other work hides them)"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {"synchronous": self.synchronous, "windows": [asdict(w) for w in self.windows]}
+
+
+def read(hlo: str) -> ExchangeOverlap | None:
+    """The all-to-alls of an optimized module's entry computation; None when it has none."""
+    computations = _COMPUTATION.split(hlo)
+    exchanges = {c.split(" ", 1)[0] for c in computations if _ALL_TO_ALL.search(c)}
+    entry = next((c for c in computations if c.startswith("ENTRY ")), None)
+    if entry is None:
+        raise UserError("the HLO text has no ENTRY computation.", fix="dump the optimized module as text.")
+    started: dict[str, int] = {}
+    windows, synchronous = [], 0
+    lines = entry.split("\n")
+    for i, line in enumerate(lines):
+        name = _INSTRUCTION.match(line)
+        if name is None:
+            continue
+        calls = _CALLS.search(line)
+        if " async-start(" in line and calls and calls.group(1) in exchanges:
+            started[name.group(1)] = i
+        elif " async-done(" in line:
+            start = next((s for n, s in started.items() if re.search(rf"{re.escape(n)}\b", line)), None)
+            if start is not None:
+                inside = lines[start + 1 : i]
+                windows.append(
+                    Window(
+                        instructions=sum(1 for x in inside if _INSTRUCTION.match(x)),
+                        dense_gemms=sum(1 for x in inside if _DENSE_GEMM.search(x)),
+                        grouped_gemms=sum(1 for x in inside if _GROUPED_GEMM in x),
+                    )
+                )
+        elif _ALL_TO_ALL.search(line):
+            synchronous += 1
+    if not windows and not synchronous:
+        return None
+    return ExchangeOverlap(windows, synchronous)
+
+
+def find(dump_dir: Path, module: str = "jit_train_step") -> ExchangeOverlap | None:
+    """`read` of the largest optimized module named `module` that XLA dumped in `dump_dir`."""
+    found = sorted(dump_dir.glob(f"*{module}*after_optimizations.txt"), key=lambda p: p.stat().st_size)
+    if not found:
+        raise UserError(
+            f"no optimized HLO of {module!r} in {dump_dir}.",
+            fix="compile with xla_flags.xla_dump_to=DIR xla_flags.xla_dump_hlo_as_text=true.",
+        )
+    return read(found[-1].read_text())
