@@ -360,24 +360,30 @@ class CompiledPlan:
         return "\n".join(lines)
 
 
+def _dump_dir(r: ResolvedRecipe) -> Path | None:
+    """Where the recipe's XLA flags ask XLA to dump the compiled HLO, if they do."""
+    dump = _DUMP_TO.search(r.env.get("XLA_FLAGS", ""))
+    return Path(dump.group(1)) if dump else None
+
+
 def read_peak(r: ResolvedRecipe) -> tuple[peak.Peak | None, str]:
     """XLA's peak from the HLO dump the recipe's flags asked for, or (None, why not); (None, "") without one.
     The compile has succeeded by then, so an unreadable dump is a note, not an error."""
-    dump = _DUMP_TO.search(r.env.get("XLA_FLAGS", ""))
+    dump = _dump_dir(r)
     if dump is None:
         return None, ""
     try:
-        return peak.find_peak(Path(dump.group(1))), ""
+        return peak.find_peak(dump), ""
     except UserError as e:
-        return None, f"what is alive at XLA's peak: not read from {dump.group(1)}: {e}"
+        return None, f"what is alive at XLA's peak: not read from {dump}: {e}"
 
 
 def read_exchange(r: ResolvedRecipe) -> exchange_overlap.ExchangeOverlap | None:
     """The step's all-to-alls and what XLA scheduled inside them, from the HLO dump the recipe's flags asked
     for; None without a dump, an unreadable one, or a step without all-to-alls."""
-    dump = _DUMP_TO.search(r.env.get("XLA_FLAGS", ""))
+    dump = _dump_dir(r)
     try:
-        return exchange_overlap.find(Path(dump.group(1))) if dump else None
+        return exchange_overlap.find(dump) if dump else None
     except UserError:
         return None
 

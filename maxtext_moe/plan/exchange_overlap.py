@@ -95,12 +95,18 @@ def read(hlo: str) -> ExchangeOverlap | None:
     return ExchangeOverlap(windows, synchronous)
 
 
+def optimized_hlo(dump_dir: Path, module: str = "jit_train_step") -> Path | None:
+    """The largest optimized-HLO text XLA dumped in `dump_dir` for a module named `module`, if any."""
+    found = list(dump_dir.glob(f"*{module}*after_optimizations.txt")) if dump_dir.is_dir() else []
+    return max(found, key=lambda p: p.stat().st_size) if found else None
+
+
 def find(dump_dir: Path, module: str = "jit_train_step") -> ExchangeOverlap | None:
     """`read` of the largest optimized module named `module` that XLA dumped in `dump_dir`."""
-    found = sorted(dump_dir.glob(f"*{module}*after_optimizations.txt"), key=lambda p: p.stat().st_size)
-    if not found:
+    hlo = optimized_hlo(dump_dir, module)
+    if hlo is None:
         raise UserError(
             f"no optimized HLO of {module!r} in {dump_dir}.",
             fix="compile with xla_flags.xla_dump_to=DIR xla_flags.xla_dump_hlo_as_text=true.",
         )
-    return read(found[-1].read_text())
+    return read(hlo.read_text())

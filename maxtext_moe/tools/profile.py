@@ -31,6 +31,7 @@ from typing import Any
 
 from maxtext_moe.errors import UserError
 from maxtext_moe.moe import scopes
+from maxtext_moe.plan import exchange_overlap
 
 # Checked in order; the first that matches the lower-cased kernel name or HLO op wins.
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -79,8 +80,7 @@ def op_name_of(kernel: str, hlo_op: str, names: dict[str, str]) -> str:
 
 def find_hlo(run: Path) -> Path | None:
     """The largest optimized train-step HLO under RUN/hlo (what `bench --profile` dumps), if any."""
-    dumps = list((run / "hlo").glob("*train_step*after_optimizations.txt")) if (run / "hlo").is_dir() else []
-    return max(dumps, key=lambda p: p.stat().st_size) if dumps else None
+    return exchange_overlap.optimized_hlo(run / "hlo", "train_step")
 
 
 def stage(kernel: str, hlo_op: str, op_name: str) -> str:
