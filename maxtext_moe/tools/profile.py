@@ -33,11 +33,15 @@ from maxtext_moe.errors import UserError
 from maxtext_moe.moe import scopes
 from maxtext_moe.plan import exchange_overlap
 
+# cuBLAS's grouped GEMM kernels (`nvjet_..._ptrGroup_...`), which TE's single-kernel grouped GEMM ("V2") runs:
+# XLA may record that call into a command buffer, whose trace events name the buffer instead of TE's op.
+GROUPED_KERNEL = "ptrgroup"
+
 # Checked in order; the first that matches the lower-cased kernel name or HLO op wins.
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("collective (NCCL)", ("nccl", "all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective")),
     ("attention (cuDNN/flash)", ("cudnn", "fmha", "flash", "sdpa", "dot_product_attention")),
-    ("TE (grouped GEMM, quantize)", ("nvte", "transformer_engine", "grouped")),
+    ("TE (grouped GEMM, quantize)", ("nvte", "transformer_engine", "grouped", GROUPED_KERNEL)),
     ("GEMM (cuBLAS/XLA dot)", ("gemm", "cublas", "cutlass", "nvjet", "xmma", "matmul", "dot")),
     ("copy/memset", ("memcpy", "memset", "copy")),
 )
@@ -47,7 +51,7 @@ CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
 STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("communication", ("nccl", "all-gather", "all-reduce", "reduce-scatter", "all-to-all", scopes.EXCHANGE)),
     ("quantize/dequantize", ("quantize", "cast_transpose", "amax", "convert_fp8")),
-    ("expert GEMMs", ("grouped_gemm", "ragged_dot", "ragged-dot")),
+    ("expert GEMMs", ("grouped_gemm", "ragged_dot", "ragged-dot", GROUPED_KERNEL)),
     ("attention", ("cudnn", "fmha", "flash", "sdpa", "dot_product_attention")),
     ("routing, permute, unpermute", (scopes.ROUTING, scopes.PERMUTE, scopes.UNPERMUTE)),
     ("dense GEMMs", ("gemm", "cublas", "cutlass", "nvjet", "xmma", "matmul", "dot_general", "dot.")),

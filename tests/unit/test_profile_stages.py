@@ -59,3 +59,15 @@ def test_a_kernel_run_inside_a_command_buffer_takes_the_stage_of_its_own_fusion(
     op, name = next(iter(fusions.items()))
     assert profile.op_name_of("nvjet_sm90_tst_128x256", op, names) == name  # an op's own name stack comes first
     assert profile.op_name_of("nvjet_sm90_tst_128x256", "command_buffer_875", names) == ""
+
+
+def test_tes_single_kernel_grouped_gemm_inside_a_command_buffer_counts_as_expert_gemms() -> None:
+    """TE's V2 grouped GEMM is one cuBLAS grouped kernel (`nvjet_..._ptrGroup_...`) that XLA may record into a
+    command buffer; the trace then names the buffer, not TE's custom call. The BF16 V2 profile on the H200
+    (2026-12-02) counted half of its expert GEMMs as dense GEMMs so, and the expert rate at 165% of the
+    matmul rate."""
+    kernel = "nvjet_sm90_tst_320x128_64x3_1x2_h_bx_coopB_ptrGroup_TNT"
+    assert profile.stage(kernel, "command_buffer_849", "") == "expert GEMMs"
+    assert profile.stage(kernel, "te_grouped_gemm_ffi.340", "") == "expert GEMMs"
+    assert profile.category(kernel, "command_buffer_849") == "TE (grouped GEMM, quantize)"
+    assert profile.stage("nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_TNN", "command_buffer_849", "") == "dense GEMMs"
