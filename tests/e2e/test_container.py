@@ -15,6 +15,7 @@ import pytest
 from conftest import REPO, run_cli
 
 from maxtext_moe import __version__
+from maxtext_moe.moe import gemm
 from maxtext_moe.tools import doctor, launch
 
 
@@ -77,25 +78,37 @@ def test_nccl_pin_is_one_version_for_the_venv_the_label_and_the_device_carry(tmp
     labels = " ".join(a for i, a in instructions() if i == "LABEL")
     assert 'maxtext-moe.nccl="${NCCL_VERSION}"' in labels
     assert f"NCCL {pin}" in (REPO / "docs/CLUSTER.md").read_text()
-    # The carry builder downloads the same pin (a stand-in python3 records the call and stops it there).
+    assert_carry_downloads(tmp_path, "build_nccl_carry.sh", "NCCL_VERSION", "nvidia-nccl-cu13", pin)
+
+
+def test_cublas_pin_runs_tes_single_kernel_grouped_gemm_and_is_what_the_device_carry_builds(tmp_path):
+    pin = gpu_pin("nvidia-cublas")
+    major, minor, patch = map(int, pin.split(".")[:3])
+    assert major * 10000 + minor * 100 + patch >= gemm.TE_V2_MIN_CUBLASLT  # the version TE reports, as it counts
+    assert f"`nvidia-cublas` {pin}" in (REPO / "docs/CLUSTER.md").read_text()
+    assert_carry_downloads(tmp_path, "build_cublas_carry.sh", "CUBLAS_VERSION", "nvidia-cublas", pin)
+
+
+def assert_carry_downloads(tmp_path: Path, script: str, version_env: str, dist: str, pin: str) -> None:
+    """A device carry builder downloads the gpu extra's pin (a stand-in python3 records the call and stops it)."""
     fake = tmp_path / "bin"
     fake.mkdir()
     (fake / "python3").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/python3.log\nexit 3\n')
     (fake / "python3").chmod(0o755)
     prune = tmp_path / "prune_fatbin.py"
     prune.write_text("")
-    env = {k: v for k, v in os.environ.items() if k != "NCCL_VERSION"}
+    env = {k: v for k, v in os.environ.items() if k != version_env}
     env.update(PATH=f"{fake}:/usr/bin:/bin", PRUNE_FATBIN=str(prune))
     r = subprocess.run(
-        ["bash", str(REPO / "scripts/device/build_nccl_carry.sh"), str(tmp_path / "nccl.tar.xz")],
+        ["bash", str(REPO / "scripts/device" / script), str(tmp_path / "carry")],
         env=env,
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert r.returncode == 3, r.stderr
-    assert f"downloading nvidia-nccl-cu13=={pin}" in r.stderr
-    assert f" nvidia-nccl-cu13=={pin}" in (tmp_path / "python3.log").read_text()
+    assert f"downloading {dist}=={pin}" in r.stderr
+    assert f" {dist}=={pin}" in (tmp_path / "python3.log").read_text()
 
 
 def test_every_library_binds_the_venvs_nccl_and_the_build_checks_what_doctor_reports(tmp_path):
