@@ -9,7 +9,8 @@ offset stays, so the library's own tables still point at valid records):
 - `.cask_resource`: fatbin containers of the Blackwell CASK kernels (none for sm_90 in 13.10);
 - `.ldata`: zstd-compressed CUDA ELF cubins, one frame each, its architecture read from the ELF header.
 A container `compact` mode leaves with only another architecture's entry is zeroed too. The kept library must
-still load and report its version (checked by scripts/device/build_cublas_carry.sh without a GPU).
+still load and report its version (checked by scripts/device/build_cublas_carry.sh without a GPU). Needs the
+`zstd` command, to read each frame's ELF header.
 
     PRUNE_FATBIN=.../prune_fatbin.py python3 scripts/device/prune_cublas.py SRC_LIB OUT_LIB [--keep 90]
 """
