@@ -23,10 +23,6 @@ from maxtext_moe.recipe.hardware import Hardware
 
 # SMs per GPU, by hardware profile: a figure of the target config the profiles do not hold.
 SM_COUNT = {"h100": 132, "h200": 132, "gb200": 148, "gb300": 160}
-# Device memory as the driver reports it (nvidia-smi's MiB), which XLA's scheduler weighs against the
-# step's buffers: the compiled temporaries move with it (one H200 proxy: 58.4 GiB at 141 GiB, 59.8 at this
-# figure). Hopper's are read off the GPUs; Blackwell's are the vendor figures until read off one.
-DEVICE_MEMORY_BYTES = {"h100": 81_559 * 2**20, "h200": 143_771 * 2**20}
 
 
 def available() -> bool:
@@ -39,8 +35,11 @@ def available() -> bool:
 
 
 def device_memory_bytes(hw: Hardware) -> int:
-    """A `hw` GPU's memory as XLA sees it: the driver's figure where read off one, else the vendor's."""
-    return DEVICE_MEMORY_BYTES.get(hw.name, int(hw.hbm_gb * 1e9))
+    """A `hw` GPU's memory as XLA sees it, which its scheduler weighs against the step's buffers (the compiled
+    temporaries move with it: one H200 proxy, 58.4 GiB at 141 GiB, 59.8 at 140.4). A GPU describes itself with
+    cuDeviceTotalMem, the total CUDA reports: on the H200 150,109,880,320 bytes, the profile's 139.81 GiB, where
+    nvidia-smi says 143,771 MiB and the vendor 141 GB (docs/results/h200_device_memory_2026-12-02.txt)."""
+    return round(hw.cuda_memory_gib * 2**30)
 
 
 def target_config(hw: Hardware) -> str:
