@@ -22,7 +22,6 @@ class Hardware:
     compute_capability: tuple[int, int] | None
     peak_bf16_tflops: float
     peak_fp8_tflops: float | None  # None: no FP8 matrix units
-    hbm_gb: float  # vendor figure, 10^9 bytes
     cuda_memory_gib: float  # total device memory CUDA reports, which XLA's allocator takes its fraction of
     hbm_tbps: float
     intra_node_gbps: float  # per direction, per device (NVLink)
@@ -41,15 +40,15 @@ class Hardware:
 PROFILES: dict[str, Hardware] = {
     p.name: p
     for p in (
-        Hardware("cpu", "cpu", None, 0.0, None, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1, False, 1, 0.0),
-        # CUDA's totals: the H200's is XLA's allocator limit measured on the lent one (123.03 GiB at 0.88,
-        # docs/results/proxy_h200_1gpu_2026-12-01_night_call5_fp8_dense_b8_oom.txt); the others are the
+        Hardware("cpu", "cpu", None, 0.0, None, 0.0, 0.0, 0.0, 0.0, 0.0, 1, False, 1, 0.0),
+        # CUDA's totals: the H200's read off the lent one (cuDeviceTotalMem 139.80 GiB,
+        # docs/results/h200_device_memory_2026-12-02.txt; XLA's allocator had 123.03 GiB at 0.88); the others are the
         # "total capacity" PyTorch's out-of-memory errors print on them (H100 SXM 80 GB 79.11 GiB, GB200
         # 184.31, GB300 276.50 on a DGX Station), as public issue threads quote them.
-        Hardware("h100", "gpu", (9, 0), 989.0, 1979.0, 80.0, 79.11, 3.35, 450.0, 50.0, 64.0, 8, False, 8, 256.0),
-        Hardware("h200", "gpu", (9, 0), 989.0, 1979.0, 141.0, 139.81, 4.8, 450.0, 50.0, 64.0, 8, False, 8, 256.0),
-        Hardware("gb200", "gpu", (10, 0), 2500.0, 5000.0, 186.0, 184.31, 8.0, 900.0, 100.0, 450.0, 4, True, 72, 240.0),
-        Hardware("gb300", "gpu", (10, 3), 2500.0, 5000.0, 288.0, 276.50, 8.0, 900.0, 100.0, 450.0, 4, True, 72, 240.0),
+        Hardware("h100", "gpu", (9, 0), 989.0, 1979.0, 79.11, 3.35, 450.0, 50.0, 64.0, 8, False, 8, 256.0),
+        Hardware("h200", "gpu", (9, 0), 989.0, 1979.0, 139.81, 4.8, 450.0, 50.0, 64.0, 8, False, 8, 256.0),
+        Hardware("gb200", "gpu", (10, 0), 2500.0, 5000.0, 184.31, 8.0, 900.0, 100.0, 450.0, 4, True, 72, 240.0),
+        Hardware("gb300", "gpu", (10, 3), 2500.0, 5000.0, 276.50, 8.0, 900.0, 100.0, 450.0, 4, True, 72, 240.0),
     )
 }
 
