@@ -203,3 +203,20 @@ def test_fp8_current_scaling_experts_plan_at_the_fp8_peak() -> None:
     quantize = routed_copies(m, lay) * 2 * (m.emb + m.moe_mlp) * QUANTIZE_S_PER_ELEMENT
     assert 0 < quantize < grouped_gain
     assert bf16.compute_s - fp8.compute_s == pytest.approx(grouped_gain - quantize)
+
+
+def test_fp8_proxy_recipe_is_the_bf16_proxy_with_fp8_gemms_and_more_memory() -> None:
+    """`deepseek3-proxy-h200-1gpu-fp8` is the measured FP8 configuration as one command: the BF16 proxy's
+    model, remat and attention, FP8 experts and dense GEMMs at batch 8, which fits only with the recipe's
+    memory fraction (0.96; the BF16 recipe's 0.88 leaves too little)."""
+    bf16, fp8 = cli.resolve("deepseek3-proxy-h200-1gpu", []), cli.resolve("deepseek3-proxy-h200-1gpu-fp8", [])
+    assert (fp8.moe["fp8"], fp8.maxtext["quantization"], fp8.maxtext["per_device_batch_size"]) == (
+        "current_scaling",
+        "te_fp8_currentscaling",
+        8,
+    )
+    same = ("remat_policy", "scan_layers", "attention", "num_experts", "base_num_decoder_layers", "max_target_length")
+    assert {k: fp8.maxtext[k] for k in same} == {k: bf16.maxtext[k] for k in same}
+    assert fp8.attention == bf16.attention
+    assert estimate(fp8).fits
+    assert not estimate(cli.resolve("deepseek3-proxy-h200-1gpu-fp8", ["env.XLA_PYTHON_CLIENT_MEM_FRACTION=0.88"])).fits
