@@ -5,7 +5,8 @@
 # two warm-up steps went. Logs and JSON: $OUT/results.tgz.
 # A rung named NAME@DIR runs the maxtext_moe of the source tree DIR (an older commit carried in .device, say,
 # to measure a change against its parent in one call).
-# Usage there: bash scripts/device/proxy_ladder_h200.sh STEPS ["NAME[@DIR] key=value ..." ...]
+# A rung's first word after its name may name another recipe (a word without "="); the one-GPU proxy otherwise.
+# Usage there: bash scripts/device/proxy_ladder_h200.sh STEPS ["NAME[@DIR] [RECIPE] key=value ..." ...]
 # (no rungs given: the first call's three, upstream tokamax with cuDNN attention through JAX, then TE, then FP8)
 set -uo pipefail
 steps=${1:-8}; shift || true
@@ -13,12 +14,14 @@ source scripts/device/common.sh
 python3 -m maxtext_moe doctor deepseek3-proxy-h200-1gpu 2>&1 | tee -a "$W/gpu.txt"
 RUNG_TIMEOUT=${RUNG_TIMEOUT:-280}
 rung() {  # gpu, name[@tree], then overrides; writes NAME.json, NAME.log and NAME.summary
-  local gpu=$1 name=${2%@*} tree=$PWD t0=$SECONDS; [ "$2" = "$name" ] || tree=$(cd "${2#*@}" && pwd) || return; shift 2
+  local gpu=$1 name=${2%@*} tree=$PWD t0=$SECONDS recipe=deepseek3-proxy-h200-1gpu
+  [ "$2" = "$name" ] || tree=$(cd "${2#*@}" && pwd) || return; shift 2
+  case ${1:-} in *=* | --* | "") ;; *) recipe=$1; shift ;; esac
   CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH="$tree:$PYTHONPATH" timeout -k 10 "$RUNG_TIMEOUT" \
-    python3 -m maxtext_moe bench deepseek3-proxy-h200-1gpu \
+    python3 -m maxtext_moe bench "$recipe" \
     --steps "$steps" --warmup 3 --out "$W/$name.json" base_output_directory="/tmp/runs/$name" "$@" > "$W/$name.log" 2>&1
   local rc=$?
-  { echo "=== $name (GPU $gpu, $((SECONDS - t0)) s wall): $* rc=$rc"
+  { echo "=== $name (GPU $gpu, $((SECONDS - t0)) s wall): $recipe${*:+ $*} rc=$rc"
     grep -E "^(step time|predicted|tokens/s|model TFLOPS|MFU|peak device|loss|profile|  [a-zA-Z])" "$W/$name.log" \
       || tail -4 "$W/$name.log"
     [ $rc -eq 0 ] || tail -15 /tmp/runs/"$name"/*/maxtext.log 2>/dev/null  # where a failed or stopped rung was

@@ -119,6 +119,16 @@ def test_a_ladder_rung_can_run_another_source_tree(tmp_path: Path) -> None:
     assert {"now.summary", "base.summary"} <= packed(archive)
 
 
+def test_a_ladder_rung_can_name_another_recipe(tmp_path: Path) -> None:
+    """A word without "=" after the rung's name is the recipe it benches (the FP8 proxy beside upstream's best
+    on the BF16 one, in one call); without it the one-GPU proxy."""
+    proc, calls, _ = run_script(tmp_path, "proxy_ladder_h200.sh", "6", "fp8 deepseek3-proxy-h200-1gpu-fp8", "up x=1")
+    assert proc.returncode == 0, proc.stderr
+    bench = {rung_name(c): c.split(" bench ")[1].split()[0] for c in calls if " bench " in c}
+    assert bench == {"fp8": "deepseek3-proxy-h200-1gpu-fp8", "up": "deepseek3-proxy-h200-1gpu"}
+    assert "=== fp8 (GPU 0," in proc.stdout and ": deepseek3-proxy-h200-1gpu-fp8 rc=0" in proc.stdout
+
+
 def test_two_gpu_runs_start_one_process_per_gpu_or_one_for_both(tmp_path: Path) -> None:
     proc, calls, archive = run_script(tmp_path, "proxy_2gpu_h200x2.sh", "6", "two 2 rec k=1", "one 1 rec")
     assert proc.returncode == 0, proc.stderr
