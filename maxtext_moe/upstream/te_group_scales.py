@@ -13,14 +13,6 @@ wraps `grouped_quantize`: for current scaling it computes the scales current sca
 FP8 data and scales equal TE's current scaling (tests/gpu/test_te_group_scales_gpu.py); every other mode goes
 to TE's function unchanged.
 
-The weights ([G, K, N], one group per expert) take a second gap: TE's grouped quantize copies its group
-sizes to the host and synchronises the stream on every call (its per-group "V1" path on Hopper): 27 of the
-60 calls in the FP8 proxy's step are weights'. A weight's groups are whole
-experts, so its per-expert current scaling is a regular computation: `quantized_kernel` does it in XLA
-(TE's scale rule, the same cast with saturation, each expert's transposed copy for the backward GEMM) and
-hands TE's grouped GEMM the tensor TE's quantize would build. Rows ([M, K] in ragged groups, whose
-transposed copies are per group) stay with TE's kernel.
-
 Process-wide once installed (TE's backward rules call `grouped_quantize` while JAX transposes the step, after
 our layer's code has returned), which is harmless: values are unchanged for every caller.
 """
@@ -78,49 +70,13 @@ def _scales_as_given(quantizer, amax: jax.Array):
     )
 
 
-def quantized_kernel(w: jax.Array, quantizer):
-    """TE's grouped current-scaling quantize of a [G, K, N] kernel (both layouts), computed by XLA: each
-    expert's scale from its amax by TE's rule, the cast saturating at the FP8 maximum as TE's kernel does,
-    and the [N, K] transposed copy of each expert that Hopper's FP8 GEMM takes for the input gradient."""
-    q = importlib.import_module(QUANTIZE)
-    amax = group_amax(w, None)
-    scale = jnp.concatenate(
-        [q.compute_scale_from_amax(amax[i : i + 1], quantizer.q_dtype, margin=0.0) for i in range(w.shape[0])]
-    )
-    fp8_max = jnp.finfo(quantizer.q_dtype).max.astype(jnp.float32)
-    scaled = w.astype(jnp.float32) * scale[:, None, None]
-    data = jnp.clip(scaled, -fp8_max, fp8_max).astype(quantizer.q_dtype)
-    scale_inv = 1.0 / scale
-    return q.ScaledTensorFactory.create(
-        data=data.reshape(-1),
-        scale_inv=scale_inv,
-        colwise_data=jnp.swapaxes(data, 1, 2).reshape(-1),
-        colwise_scale_inv=scale_inv,
-        # Labelled as the rows are (`_scales_as_given`): TE's grouped GEMM asks both operands for one mode.
-        scaling_mode=q.ScalingMode.DELAYED_TENSOR_SCALING,
-        dq_dtype=w.dtype,
-        q_layout=quantizer.q_layout,
-        data_layout=quantizer.get_data_layout(),
-        flatten_axis=-1,
-        first_dims=None,
-        original_shape=w.shape,
-    )
-
-
 def scatter_free(grouped_quantize: Callable) -> Callable:
-    """`grouped_quantize` with current scaling's per-group amax taken by `group_amax`, and [G, K, N] kernels
-    quantized in XLA (`quantized_kernel`); other modes and layouts unchanged."""
-    q = importlib.import_module(QUANTIZE)
+    """`grouped_quantize` with current scaling's per-group amax taken by `group_amax`; other modes unchanged."""
+    current = importlib.import_module(QUANTIZE).ScalingMode.CURRENT_TENSOR_SCALING
 
     def quantize(x, quantizer, group_sizes=None, flatten_axis=-1):
-        if (
-            quantizer is None
-            or quantizer.scaling_mode != q.ScalingMode.CURRENT_TENSOR_SCALING
-            or not isinstance(x, jax.Array)
-        ):
+        if quantizer is None or quantizer.scaling_mode != current or not isinstance(x, jax.Array):
             return grouped_quantize(x, quantizer, group_sizes, flatten_axis)
-        if group_sizes is None and x.ndim == 3 and flatten_axis in (-1, 2) and quantizer.q_layout.is_rowwise_colwise:
-            return quantized_kernel(x, quantizer)
         return grouped_quantize(x, _scales_as_given(quantizer, group_amax(x, group_sizes)), group_sizes, flatten_axis)
 
     quantize.wrapped = grouped_quantize
