@@ -14,15 +14,9 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 dest=${1:-$root}
-version=${CUBLAS_VERSION:-$(sed -n 's/.*"nvidia-cublas==\([0-9.]*\)".*/\1/p' "$root/pyproject.toml")}
-[ -n "$version" ] || { echo "build_cublas_carry: no nvidia-cublas pin in pyproject.toml" >&2; exit 2; }
-export PRUNE_FATBIN=${PRUNE_FATBIN:-$root/../shared/device/te/prune_fatbin.py}
-[ -f "$PRUNE_FATBIN" ] || { echo "build_cublas_carry: $PRUNE_FATBIN not found (shared/device/te/prune_fatbin.py)" >&2; exit 2; }
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-
-echo "build_cublas_carry: downloading nvidia-cublas==$version" >&2
-python3 -m pip download -q --disable-pip-version-check --no-deps -d "$work" "nvidia-cublas==$version"
+# shellcheck source=scripts/device/carry_fetch.sh
+source "$root/scripts/device/carry_fetch.sh"
+carry_fetch build_cublas_carry nvidia-cublas CUBLAS_VERSION
 python3 -c "
 import sys, zipfile
 for name in ('libcublasLt.so.13', 'libcublas.so.13'):
@@ -38,9 +32,7 @@ import ctypes, sys
 lt = ctypes.CDLL(sys.argv[1] + '/libcublasLt.so.13')
 ctypes.CDLL(sys.argv[1] + '/libcublas.so.13')
 print(lt.cublasLtGetVersion())" "$work/lib")
-IFS=. read -r major minor patch _ <<<"$version"
-want=$((major * 10000 + minor * 100 + patch))
-[ "$got" = "$want" ] || { echo "build_cublas_carry: pruned cuBLASLt reports $got, expected $want" >&2; exit 1; }
+carry_expect_version build_cublas_carry cuBLASLt "$got"
 
 echo "build_cublas_carry: compressing (xz -9, a few minutes)" >&2
 xz -T2 -9 -c "$work/lib/libcublasLt.so.13" >"$work/lt90.so.xz"

@@ -14,19 +14,13 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 out=${1:-$root/.device/nccl/nccl_h200.tar.xz}
-version=${NCCL_VERSION:-$(sed -n 's/.*"nvidia-nccl-cu13==\([0-9.]*\)".*/\1/p' "$root/pyproject.toml")}
-[ -n "$version" ] || { echo "build_nccl_carry: no nvidia-nccl-cu13 pin in pyproject.toml" >&2; exit 2; }
-prune=${PRUNE_FATBIN:-$root/../shared/device/te/prune_fatbin.py}
-[ -f "$prune" ] || { echo "build_nccl_carry: $prune not found (shared/device/te/prune_fatbin.py)" >&2; exit 2; }
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-
-echo "build_nccl_carry: downloading nvidia-nccl-cu13==$version" >&2
-python3 -m pip download -q --disable-pip-version-check --no-deps -d "$work" "nvidia-nccl-cu13==$version"
+# shellcheck source=scripts/device/carry_fetch.sh
+source "$root/scripts/device/carry_fetch.sh"
+carry_fetch build_nccl_carry nvidia-nccl-cu13 NCCL_VERSION
 python3 -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract('nvidia/nccl/lib/libnccl.so.2', sys.argv[2])" \
   "$work"/nvidia_nccl_cu13-*.whl "$work/wheel"
 mkdir -p "$work/nccl/lib"
-python3 "$prune" prune "$work/wheel/nvidia/nccl/lib/libnccl.so.2" "$work/nccl/lib/libnccl.so.2" --keep 90 --mode compact
+python3 "$PRUNE_FATBIN" prune "$work/wheel/nvidia/nccl/lib/libnccl.so.2" "$work/nccl/lib/libnccl.so.2" --keep 90 --mode compact
 
 # The pruned library must still load and report its version (no GPU needed for ncclGetVersion).
 got=$(python3 -c "
@@ -34,9 +28,7 @@ import ctypes, sys
 lib = ctypes.CDLL(sys.argv[1]); v = ctypes.c_int()
 assert lib.ncclGetVersion(ctypes.byref(v)) == 0
 print(v.value)" "$work/nccl/lib/libnccl.so.2")
-IFS=. read -r major minor patch <<<"$version"
-want=$((major * 10000 + minor * 100 + patch))
-[ "$got" = "$want" ] || { echo "build_nccl_carry: pruned library reports $got, expected $want" >&2; exit 1; }
+carry_expect_version build_nccl_carry libnccl "$got"
 
 # LD_PRELOAD, not LD_LIBRARY_PATH: jaxlib's CUDA plugin and TE's libnccl_ep.so must bind the same libnccl.
 cat >"$work/nccl/activate.sh" <<'EOF'
