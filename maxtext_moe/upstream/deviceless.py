@@ -37,8 +37,8 @@ def available() -> bool:
 def device_memory_bytes(hw: Hardware) -> int:
     """A `hw` GPU's memory as XLA sees it, which its scheduler weighs against the step's buffers (the compiled
     temporaries move with it: one H200 proxy, 58.4 GiB at the vendor's 141 GB, 59.8 at nvidia-smi's 143,771 MiB).
-    A GPU describes itself with cuDeviceTotalMem, the total CUDA reports: on the H200 150,109,880,320 bytes, the
-    profile's 139.81 GiB (docs/results/h200_device_memory_2026-12-02.txt)."""
+    A GPU describes itself with cuDeviceTotalMem, the total CUDA reports: on the H200 150,109,880,320 bytes
+    (139.80 GiB, docs/results/h200_device_memory_2026-12-02.txt); the profile holds 139.81 GiB, 10 MB more."""
     return round(hw.cuda_memory_gib * 2**30)
 
 
