@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Build .cublas_a, .cublas_b and .cublas_c: the cuBLAS of pyproject.toml's gpu extra for the lent H200s, whose
+# Build .cublas_0, .cublas_1 and .cublas_2: the cuBLAS of pyproject.toml's gpu extra for the lent H200s, whose
 # image has cuBLAS 13.1 (TE's single-kernel grouped GEMM, "V2", needs >= 13.4 on Hopper) and no network.
 #
 # The wheel's two libraries hold kernels for seven architectures; scripts/device/prune_cublas.py keeps sm_90's
 # and xz brings them to about 119 MiB, so they travel in three carries, on one machine held between them (it is
 # given back 30 s after a call; each call below starts within that):
-#   call 1: carry .device and .cublas_a; `source scripts/device/common.sh && mkdir -p /opt/cub && cp .cublas_a/p0 /opt/cub/`
-#   call 2: carry .cublas_b; `cp .cublas_b/p1 /opt/cub/`
-#   call 3: carry .cublas_c and .device/xprof-stub; `source scripts/device/common.sh &&
+#   call 1: carry .device and .cublas_0; `source scripts/device/common.sh && source scripts/device/carry_join.sh &&
+#           carry_stash cublas`
+#   call 2: carry .cublas_1; `source scripts/device/carry_join.sh && carry_stash cublas`
+#   call 3: carry .cublas_2 and .device/xprof-stub; `source scripts/device/common.sh &&
 #           source scripts/device/use_carried_cublas.sh && ...` (the runs; docs/PERFORMANCE.md has them).
 # Usage: scripts/device/build_cublas_carry.sh [DIR]   (DIR holds the three folders; default: the repository root)
 #   CUBLAS_VERSION defaults to the nvidia-cublas pin of pyproject.toml's gpu extra, the cuBLAS the container ships.
@@ -38,11 +39,4 @@ echo "build_cublas_carry: compressing (xz -9, a few minutes)" >&2
 xz -T2 -9 -c "$work/lib/libcublasLt.so.13" >"$work/lt90.so.xz"
 xz -T2 -9 -c "$work/lib/libcublas.so.13" >"$work/cb90.so.xz"
 tar -C "$work" -cf "$work/cublas.tar" lt90.so.xz cb90.so.xz
-# The first part rides beside TE's archive and the wheelhouse (about 54 MiB), the second alone.
-rm -rf "$dest/.cublas_a" "$dest/.cublas_b" "$dest/.cublas_c"
-mkdir -p "$dest/.cublas_a" "$dest/.cublas_b" "$dest/.cublas_c"
-head -c 7000000 "$work/cublas.tar" >"$dest/.cublas_a/p0"
-dd if="$work/cublas.tar" of="$dest/.cublas_b/p1" iflag=skip_bytes,count_bytes skip=7000000 count=63000000 bs=4M status=none
-tail -c +70000001 "$work/cublas.tar" >"$dest/.cublas_c/p2"
-sha256sum "$work/cublas.tar" | cut -d' ' -f1 >"$dest/.cublas_c/sha"
-du -sh "$dest"/.cublas_? >&2
+carry_split "$work/cublas.tar" "$dest" cublas

@@ -22,3 +22,20 @@ carry_expect_version() {
   IFS=. read -r major minor patch _ <<<"$version"
   [ "$3" = $((major * 10000 + minor * 100 + patch)) ] || { echo "$1: pruned $2 reports $3, expected $version" >&2; exit 1; }
 }
+
+# carry_split FILE DEST NAME: cut FILE into carries DEST/.NAME_0, .NAME_1, ...: a first part of 7 MB (it rides
+# beside TE's archive and the wheelhouse, about 54 MiB), then parts of 63 MB, one 64 MiB carry each; the last
+# folder also holds the whole file's sha256. On the device, scripts/device/carry_join.sh puts them together.
+carry_split() {
+  local file=$1 dest=$2 name=$3 size offset=0 i=0 len
+  size=$(stat -c %s "$file")
+  rm -rf "$dest/.$name"_*
+  while [ "$offset" -lt "$size" ]; do
+    len=$([ "$i" -eq 0 ] && echo 7000000 || echo 63000000)
+    mkdir -p "$dest/.${name}_$i"
+    dd if="$file" of="$dest/.${name}_$i/p$i" iflag=skip_bytes,count_bytes skip="$offset" count="$len" bs=4M status=none
+    offset=$((offset + len)) i=$((i + 1))
+  done
+  sha256sum "$file" | cut -d' ' -f1 >"$dest/.${name}_$((i - 1))/sha"
+  du -sh "$dest/.$name"_* >&2
+}

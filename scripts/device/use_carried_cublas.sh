@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Sourced after common.sh in a device call: put the newer cuBLAS that earlier calls carried in parts (cut to
-# the H200's sm_90 kernels by scripts/device/prune_cublas.py; /opt/cub/p0, /opt/cub/p1, .cublas_c/p2) in
-# place of the image's cuBLAS 13.1, so that TE's single-kernel grouped GEMM ("V2", cuBLAS >= 13.4) runs.
+# Sourced after common.sh in a device call: put the newer cuBLAS that this and earlier calls carried in parts
+# (cut to the H200's sm_90 kernels by scripts/device/build_cublas_carry.sh) in place of the image's cuBLAS 13.1,
+# so that TE's single-kernel grouped GEMM ("V2", cuBLAS >= 13.4) runs.
 # Every copy of the library on the machine is replaced, so XLA's own GEMMs run the same cuBLAS as TE's.
-cat /opt/cub/p0 /opt/cub/p1 .cublas_c/p2 > /tmp/cub.tar || return 1
-echo "$(cat .cublas_c/sha)  /tmp/cub.tar" | sha256sum -c - || return 1
+# shellcheck source=scripts/device/carry_join.sh
+source scripts/device/carry_join.sh && carry_join cublas /tmp/cub.tar || return 1
 mkdir -p /tmp/cubx && tar xf /tmp/cub.tar -C /tmp/cubx || return 1
 python3 -c "
 import lzma, shutil

@@ -233,3 +233,46 @@ def test_plan_compile_table_rows_for_compiled_and_failed_recipes_not_for_the_det
     assert [row.split()[0] for row in table] == ["recipe", "big", "proxy"]
     assert "failed:   compiling big: 1110 s" in table[1]
     assert table[2].split()[1:3] == ["gpu", "1"] and "52.3" in table[2].split()  # XLA's arguments, GiB
+
+
+def test_a_library_cut_into_carries_is_put_together_only_when_every_part_arrived(tmp_path: Path) -> None:
+    """carry_split here, then one call per part there (carry_stash), then carry_join in the call with the last
+    part: the same bytes, or a clear error while a part is missing (the cuBLAS and cuDNN carries travel so)."""
+    data = os.urandom(75_000_000)  # three parts: 7 MB, 63 MB, 5 MB
+    (tmp_path / "lib.tar.xz").write_bytes(data)
+    fetch, join = REPO / "scripts/device/carry_fetch.sh", REPO / "scripts/device/carry_join.sh"
+    here = tmp_path / "here"
+    split = subprocess.run(
+        ["bash", "-c", f'source {fetch} && carry_split "$1" "$2" lib', "_", str(tmp_path / "lib.tar.xz"), str(here)],
+        capture_output=True,
+        text=True,
+    )
+    assert split.returncode == 0, split.stderr
+    parts = sorted(p.name for p in here.iterdir())
+    assert parts == [".lib_0", ".lib_1", ".lib_2"] and (here / ".lib_2/sha").exists()
+    assert [(here / f".lib_{i}/p{i}").stat().st_size for i in range(3)] == [7_000_000, 63_000_000, 5_000_000]
+
+    def call(part: int, command: str) -> subprocess.CompletedProcess:
+        """A device call that carried one part: a working tree holding only that folder."""
+        tree = tmp_path / f"call{part}"
+        tree.mkdir(exist_ok=True)
+        if not (tree / f".lib_{part}").exists():
+            shutil.copytree(here / f".lib_{part}", tree / f".lib_{part}")
+        env = dict(os.environ, CARRY_STASH=str(tmp_path / "opt"))
+        return subprocess.run(
+            ["bash", "-c", f"source {join} && {command}"], cwd=tree, env=env, capture_output=True, text=True
+        )
+
+    assert call(0, "carry_stash lib").returncode == 0
+    early = call(1, "carry_join lib out.tar.xz")  # the part with the sha has not come yet
+    assert early.returncode == 1 and "the last part of lib (with its sha) was not carried" in early.stderr
+    (tmp_path / "opt/lib/p1").unlink()  # as if the middle call had not run
+    gap = call(2, "carry_join lib out.tar.xz")
+    assert gap.returncode == 1 and "carry_join: lib lacks .lib_1: carry each in a call before this one" in gap.stderr
+    (tmp_path / "opt/lib/p1").write_bytes(data[7_000_000:70_000_000][::-1])  # a part that is not the one cut
+    wrong = call(2, "carry_join lib out.tar.xz")
+    assert wrong.returncode == 1 and "lib's parts do not make the file that was cut" in wrong.stderr
+    assert call(1, "carry_stash lib").stdout.split() == ["p0", "p1", "p2"]
+    done = call(2, "carry_join lib out.tar.xz")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "call2/out.tar.xz").read_bytes() == data
