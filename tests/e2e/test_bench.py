@@ -119,3 +119,40 @@ def test_busy_time_counts_overlapping_kernels_once():
 
     assert busy_ns([(0, 10), (5, 15), (20, 30), (21, 22)]) == 25
     assert busy_ns([(20, 30), (0, 10)]) == 20 and busy_ns([]) == 0
+
+
+def test_attention_benchmark_checks_and_times_causal_attention(tmp_path):
+    """benchmarks/bench_attention.py on the CPU (attention written out for XLA; on a GPU it times cuDNN's):
+    the checks against the float32 reference pass, and the rates are the FLOPs over the medians it timed."""
+    out = tmp_path / "attention.json"
+    shape = {"batch": 2, "seq": 64, "heads": 4, "d_qk": 24, "d_v": 16}
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in shape.items()]
+    script = REPO / "benchmarks/bench_attention.py"
+    r = subprocess.run(
+        [sys.executable, str(script), *args, "--implementation", "einsum", "--iters", "3", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["rel_err_out"] < 1e-2 and res["rel_err_dq"] < 2e-2  # bfloat16 against float32
+    fwd, both = res["forward"]["median_ms"], res["forward_backward"]["median_ms"]
+    assert 0 < fwd < both and res["backward_ms"] == pytest.approx(both - fwd)
+    causal_fwd = 2 * 2 * 64 * 64 / 2 * 4 * (24 + 16)
+    assert res["forward_tflops"] == pytest.approx(causal_fwd / (fwd * 1e-3) / 1e12)
+    assert res["backward_tflops"] == pytest.approx(2 * causal_fwd / ((both - fwd) * 1e-3) / 1e12)
+    assert "rel err out" in r.stdout
+
+
+def test_attention_reference_is_causal():
+    """The yardstick masks the future: changing the last key and value moves only the last query's output."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import jax
+    import jax.numpy as jnp
+    from bench_attention import reference
+
+    q, k, v = (jax.random.normal(jax.random.key(i), (1, 8, 2, 4)) for i in range(3))
+    base = reference(q, k, v, 0.5)
+    moved = reference(q, k.at[:, -1].add(3.0), v.at[:, -1].add(3.0), 0.5)
+    assert jnp.allclose(base[:, :-1], moved[:, :-1]) and not jnp.allclose(base[:, -1], moved[:, -1])
