@@ -1,4 +1,5 @@
-"""Cut cuBLAS (libcublas.so.13, libcublasLt.so.13) down to the kernels one GPU architecture loads.
+"""Cut cuBLAS (libcublas.so.13, libcublasLt.so.13) down to the kernels one GPU architecture loads; cuDNN's
+libraries too (scripts/device/build_cudnn_carry.sh), whose kernels sit in the same kinds of section.
 
 Why: the lent H200 has cuBLAS 13.1, TE's single-kernel grouped GEMM needs 13.4 on Hopper, and the pip wheel's
 libraries (about 580 MiB) hold kernels for seven architectures; nothing outside the machine can be reached, so
