@@ -118,10 +118,25 @@ def _rank_routed(
     tokens, experts = weight_grads_first(x.reshape(-1, cfg.emb_dim), experts)
     with jax.named_scope(scopes.ROUTING):
         routing = route(gate_logits(tokens, gate["kernel"]), gate["bias"], cfg.routing)
-        plan = plan_dispatch(
-            routing.indices, routing.weights, cfg.routing.num_experts, ranks, dedup=path.dedup, check=cfg.check_dropless
+    chunks = path.dispatch_chunks
+    if tokens.shape[0] % chunks:
+        raise UserError(
+            f"{tokens.shape[0]} tokens per expert-parallel rank do not split into {chunks} dispatch chunks.",
+            fix="set moe.dispatch_chunks to a divisor of the tokens per rank (batch x sequence / EP), or 1.",
         )
-    routed, computed = ep_routed(tokens, plan, experts, path, check=cfg.check_dropless)
+    # Each chunk is routed as one, planned, exchanged and computed by itself: nothing orders one chunk's
+    # all-to-alls after another's GEMMs, so XLA's scheduler may overlap them.
+    routed, computed = [], 0
+    split = (jnp.split(a, chunks) for a in (tokens, routing.indices, routing.weights))
+    for part, indices, weights in zip(*split, strict=True):
+        with jax.named_scope(scopes.ROUTING):
+            plan = plan_dispatch(
+                indices, weights, cfg.routing.num_experts, ranks, dedup=path.dedup, check=cfg.check_dropless
+            )
+        out, copies = ep_routed(part, plan, experts, path, check=cfg.check_dropless)
+        routed.append(out)
+        computed += copies
+    routed = jnp.concatenate(routed) if chunks > 1 else routed[0]
     lost = balance.dropped(tokens.shape[0] * cfg.routing.top_k * ranks, computed)
     lead = x.shape[:-1]
     return (

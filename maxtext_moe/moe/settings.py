@@ -33,12 +33,13 @@ BACKENDS: tuple[Backend, ...] = ("ragged_dot", "tokamax", "te")
 FP8_MODES: tuple[Fp8, ...] = get_args(Fp8)
 IMPLS: tuple[Impl, ...] = get_args(Impl)
 # Field -> its choices, in the order messages list them.
-CHOICES: dict[str, tuple[str, ...]] = {
+CHOICES: dict[str, tuple[Any, ...]] = {
     "impl": get_args(Block),
     "gemm": ("te", "tokamax", "ragged_dot"),
     "te_gemm_path": get_args(TeGemmPath),
     "fp8": FP8_MODES,
     "exchange": get_args(Exchange),
+    "dispatch_chunks": (1, 2, 4),
 }
 
 
@@ -65,13 +66,15 @@ class MoeSettings:
     """Which routed-MoE block runs and how: `impl` maxtext (MaxText's own block, tuned with MaxText keys;
     the other fields then do not apply) or ours, with its grouped-GEMM `gemm` backend, TE's grouped-GEMM
     path, FP8 expert GEMMs (TE's per-tensor current scaling on Hopper and later, or MXFP8 on Blackwell) and
-    the EP `exchange`."""
+    the EP `exchange`, and how many chunks each rank's tokens are dispatched in (`dispatch_chunks`: one
+    chunk's exchange can run beside another's expert GEMMs)."""
 
     impl: Block = "maxtext"
     gemm: Backend = "ragged_dot"
     te_gemm_path: TeGemmPath = "auto"
     fp8: Fp8 = "none"
     exchange: Exchange = "auto"
+    dispatch_chunks: int = 1
 
     @property
     def ours(self) -> bool:
@@ -92,12 +95,12 @@ class MoeSettings:
         """TE's grouped GEMM on NVIDIA GPUs (the fastest kernel there), `ragged_dot` elsewhere."""
         return "te" if hw.maxtext_hardware == "gpu" else "ragged_dot"
 
-    def to_dict(self) -> dict[str, str]:
+    def to_dict(self) -> dict[str, Any]:
         """The section as `show` prints it: MaxText's block has no settings of ours besides `impl`."""
         return asdict(self) if self.ours else {"impl": self.impl}
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, str]) -> MoeSettings:
+    def from_dict(cls, values: Mapping[str, Any]) -> MoeSettings:
         """Back from `to_dict` (a resolved recipe passed as plain data)."""
         return cls(**{f.name: values[f.name] for f in fields(cls) if f.name in values})
 
@@ -108,7 +111,9 @@ class MoeSettings:
         for key, v in section.items():
             if v.value not in CHOICES[key]:
                 raise UserError(
-                    f"must be one of {', '.join(CHOICES[key])}, got {v.value!r}.", key=f"moe.{key}", source=v.source
+                    f"must be one of {', '.join(map(str, CHOICES[key]))}, got {v.value!r}.",
+                    key=f"moe.{key}",
+                    source=v.source,
                 )
         impl = section["impl"].value if "impl" in section else "maxtext"
         if impl == "maxtext":
@@ -183,6 +188,14 @@ class MoeSettings:
                 source=sources.get("exchange"),
                 fix="use moe.exchange: auto (or all_to_all).",
             )
+        if self.exchange == "nccl_ep" and self.dispatch_chunks > 1:
+            raise UserError(
+                f"is {self.dispatch_chunks} with moe.exchange: nccl_ep, but TE's NCCL EP dispatches a layer's "
+                "tokens in one call; chunks apply to our exchanges.",
+                key="moe.dispatch_chunks",
+                source=sources.get("dispatch_chunks"),
+                fix="set moe.dispatch_chunks: 1, or moe.exchange: auto.",
+            )
         if self.exchange == "nccl_ep" and self.fp8 != "none":
             raise UserError(
                 f"is {self.fp8} with moe.exchange: nccl_ep, but TE 2.20.2's NCCL EP dispatches BF16 tokens "
@@ -204,6 +217,9 @@ class ExpertPath:
     exchange       how an EP exchange runs (`exchange.exchange`), or "nccl_ep" (`nccl_ep.routed`)
     buffer_factor  EP receive buffer, MaxText's `ragged_buffer_factor` (<= 0: the dropless worst case)
     dedup          send a token once per destination rank (ours), not once per chosen expert (MaxText's)
+    dispatch_chunks  split each rank's tokens into this many chunks, each planned, exchanged and computed on
+                   its own (`expert_parallel._rank_routed`), so that XLA can run one chunk's exchange beside
+                   another chunk's expert GEMMs
     axis_name      the mesh (or vmap) axis the experts are split over
     own_adjoint    the exchange's own adjoint (False under `vmap`, where a custom VJP loses the axis name)
     """
@@ -213,13 +229,20 @@ class ExpertPath:
     exchange: Impl = "all_to_all"
     buffer_factor: float = -1.0
     dedup: bool = True
+    dispatch_chunks: int = 1
     axis_name: str = EP_AXIS
     own_adjoint: bool = True
 
     @classmethod
     def of(cls, settings: MoeSettings, buffer_factor: float = -1.0) -> ExpertPath:
         """The path a recipe's settings ask for, with MaxText's `ragged_buffer_factor`."""
-        return cls(settings.gemm, settings.fp8, settings.exchange_impl, buffer_factor)
+        return cls(
+            settings.gemm,
+            settings.fp8,
+            settings.exchange_impl,
+            buffer_factor,
+            dispatch_chunks=settings.dispatch_chunks,
+        )
 
 
 DEFAULT_PATH = ExpertPath()  # ragged_dot in the compute dtype: runs on every backend

@@ -82,6 +82,14 @@ def settings(section: Mapping[str, Sourced], check: Checker, topo: Topology) -> 
             "(segmentation fault) on scanned decoder layers; unrolled layers train.",
             "set scan_layers: false, or moe.gemm: tokamax.",
         )
+    if settings.dispatch_chunks > 1 and not expert_parallel:
+        raise UserError(
+            f"is {settings.dispatch_chunks}, but this recipe has no expert parallelism: the chunks split the "
+            "expert-parallel exchange, and with one rank there is none to overlap.",
+            key="moe.dispatch_chunks",
+            source=section["dispatch_chunks"].source,
+            fix="set moe.dispatch_chunks: 1, or ici_expert_parallelism to 2 or more.",
+        )
     if settings.exchange == "nccl_ep":
         _nccl_ep(section, check, topo, expert_parallel, split)
     return settings

@@ -256,6 +256,7 @@ def test_moe_section_defaults_and_checks():
         "te_gemm_path": "auto",
         "fp8": "none",
         "exchange": "auto",
+        "dispatch_chunks": 1,
     }
     assert r.attention == {"residuals": "recompute"}
     assert r.sources["moe.gemm"] == "default for cpu"
@@ -285,6 +286,14 @@ def test_moe_section_defaults_and_checks():
         TINY, *ep, "moe.exchange=ragged_all_to_all"
     )
     assert compose_resolve(two, "moe.exchange=ragged_all_to_all").moe["exchange"] == "ragged_all_to_all"
+    assert compose_resolve(two, "moe.dispatch_chunks=2").moe["dispatch_chunks"] == 2
+    assert "moe.dispatch_chunks: must be one of 1, 2, 4, got 3." in error_of(two, "moe.dispatch_chunks=3")
+    assert "moe.dispatch_chunks: is 2, but this recipe has no expert parallelism" in error_of(
+        "deepseek3-proxy-h200-1gpu", "moe.dispatch_chunks=2"
+    )
+    assert "moe.dispatch_chunks: is 2 with moe.exchange: nccl_ep, but TE's NCCL EP dispatches" in error_of(
+        two, "moe.exchange=nccl_ep", "moe.dispatch_chunks=2"
+    )
     assert (
         "decoder_block: is 'llama2', but moe.impl: ours replaces the routed experts of MaxText's DeepSeek"
         in error_of(TINY, "moe.impl=ours", "decoder_block=llama2")
