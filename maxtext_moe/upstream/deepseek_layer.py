@@ -138,10 +138,11 @@ class OurDeepSeekMoELayer(deepseek.DeepSeekMoELayer):
         ranks = routed.get_expert_parallelism_size()
         if ranks > 1:
             log.info(
-                "moe.impl=ours: expert parallelism %d (exchange %s, ragged_buffer_factor %s)",
+                "moe.impl=ours: expert parallelism %d (exchange %s, ragged_buffer_factor %s, dispatch chunks %d)",
                 ranks,
                 exchange_impl(routed.mesh, self.settings),
                 self.expert_path.buffer_factor,
+                self.expert_path.dispatch_chunks,
             )
 
     def __call__(self, inputs: jax.Array | tuple, *args: Any, **kwargs: Any) -> Any:

@@ -34,7 +34,9 @@ def rel(a: jax.Array, b: jax.Array) -> float:
 @pytest.mark.skipif(sum(d.platform == "gpu" for d in jax.devices()) < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("impl", ["ragged_all_to_all", "all_to_all"])
 @pytest.mark.parametrize("dedup", [True, False])
-def test_real_exchange_matches_emulation_on_two_gpus(dedup: bool, impl: str) -> None:
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_real_exchange_matches_emulation_on_two_gpus(dedup: bool, impl: str, chunks: int) -> None:
+    """The real collectives, in one dispatch or two chunks (`moe.dispatch_chunks`), against the emulation."""
     from jax.sharding import Mesh
 
     mesh = Mesh(np.array(jax.devices()[:2]), (EP_AXIS,))
@@ -42,13 +44,13 @@ def test_real_exchange_matches_emulation_on_two_gpus(dedup: bool, impl: str) -> 
     x = jax.random.normal(jax.random.key(13), (TOKENS, CFG.emb_dim))
     cot = jax.random.normal(jax.random.key(14), x.shape)
 
-    def run(impl: str) -> tuple[jax.Array, ...]:
-        path = ExpertPath(exchange=impl, dedup=dedup)
+    def run(impl: str, chunks: int = 1) -> tuple[jax.Array, ...]:
+        path = ExpertPath(exchange=impl, dedup=dedup, dispatch_chunks=chunks)
         fwd = functools.partial(expert_parallel.ep_moe_forward_sharded, cfg=CFG, mesh=mesh, path=path)
         y = jax.jit(lambda p, x: fwd(p, x)[0])(params, x)
         return y, *jax.jit(jax.grad(lambda p, x: jnp.sum(fwd(p, x)[0] * cot), (0, 1)))(params, x)
 
-    real, emulated = run(impl), run("emulated")
+    real, emulated = run(impl, chunks), run("emulated")
     assert rel(real[0], emulated[0]) < 1e-5
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(real[1:]), jax.tree.leaves(emulated[1:]), strict=True):
         assert np.array_equal(np.asarray(a), np.asarray(b)) or rel(a, b) < 1e-5, jax.tree_util.keystr(path)
