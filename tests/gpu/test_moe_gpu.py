@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,15 +39,17 @@ def rel(a: jax.Array, b: jax.Array) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def check_against_reference(cfg: MoEConfig, path: ExpertPath, tol: tuple[float, float]) -> np.ndarray:
-    """Forward and dL/dx of the BF16 layer within `tol` (relative L2) of the float32 reference, all finite;
-    returns the expert group sizes the layer ran with."""
+def check_against_reference(
+    cfg: MoEConfig, path: ExpertPath, tol: tuple[float, float], forward: Callable = moe_forward
+) -> np.ndarray:
+    """Forward and dL/dx of the BF16 layer (`forward(params, x, cfg, path)`) within `tol` (relative L2) of the
+    float32 reference, all finite; returns the expert group sizes the layer ran with."""
     params = init_params(jax.random.key(0), cfg, jnp.bfloat16)
     x = jax.random.normal(jax.random.key(1), (1024, cfg.emb_dim), jnp.bfloat16)
     cot = jax.random.normal(jax.random.key(2), x.shape, jnp.float32)
-    loss = lambda x: jnp.sum(moe_forward(params, x, cfg, path)[0].astype(jnp.float32) * cot)  # noqa: E731
+    loss = lambda x: jnp.sum(forward(params, x, cfg, path)[0].astype(jnp.float32) * cot)  # noqa: E731
     loss_ref = lambda x: jnp.sum(moe_reference(params, x, cfg) * cot)  # noqa: E731
-    y, routing = jax.jit(moe_forward, static_argnums=(2, 3))(params, x, cfg, path)
+    y, routing = jax.jit(forward, static_argnums=(2, 3))(params, x, cfg, path)
     dx, dx_ref = jax.jit(jax.grad(loss))(x), jax.jit(jax.grad(loss_ref))(x.astype(jnp.float32))
     assert np.isfinite(np.asarray(y, np.float32)).all() and np.isfinite(np.asarray(dx, np.float32)).all()
     assert rel(y, moe_reference(params, x, cfg)) < tol[0]
@@ -63,6 +67,25 @@ def test_te_fp8_current_scaling_close_to_reference() -> None:
     per expert, not multiples of 16), padded to 16 rows per group by `align.py`."""
     sizes = check_against_reference(CFG, ExpertPath(backend="te", fp8="current_scaling"), FP8_TOL)
     assert np.any(sizes % 16), "the groups happened to be aligned: the padding went untested"
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_te_under_the_expert_parallel_dispatch_in_chunks(chunks: int) -> None:
+    """TE's grouped GEMM inside the expert-parallel path training runs (shard_map, the dense all-to-all), on a
+    one-GPU expert axis, in one dispatch or two chunks (`moe.dispatch_chunks`): each chunk's receive buffer
+    is sized for the dropless worst case and mostly empty, its rows past the groups guarded."""
+    from jax.sharding import Mesh
+
+    from maxtext_moe.moe import expert_parallel
+    from maxtext_moe.moe.settings import EP_AXIS
+
+    mesh = Mesh(np.array(jax.devices()[:1]), (EP_AXIS,))
+
+    def forward(params: dict, x: jax.Array, cfg: MoEConfig, path: ExpertPath) -> tuple:
+        return expert_parallel.ep_moe_forward_sharded(params, x, cfg, mesh, path)
+
+    path = ExpertPath(backend="te", exchange="all_to_all", dispatch_chunks=chunks)
+    check_against_reference(CFG, path, BF16_TOL, forward)
 
 
 @pytest.mark.parametrize("backend", ["tokamax", "te"])
