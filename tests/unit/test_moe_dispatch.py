@@ -285,7 +285,7 @@ _FOUR_CPU_DEVICES = textwrap.dedent("""
             return [f(params, x), *jax.grad(lambda p, x: jnp.sum(f(p, x) * cot), (0, 1))(params, x)]
 
         ref = jax.tree.leaves(jax.jit(lambda: run("emulated"))())
-        for chunks in (1, 2):
+        for chunks in (1, 2) if dedup else (1,):  # two chunks: the recipes' dedup dispatch
             a2a = jax.tree.leaves(jax.jit(lambda: run("all_to_all", chunks))())
             worst[f"dedup={dedup} favoured={favoured} factor={factor} chunks={chunks}"] = max(
                 float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30)) for a, b in zip(a2a, ref))
@@ -296,14 +296,15 @@ _FOUR_CPU_DEVICES = textwrap.dedent("""
 def test_dense_all_to_all_exchange_equals_the_emulation_on_four_cpu_devices() -> None:
     """The exchange that trains ("all_to_all": XLA's all-to-all of per-destination blocks, a real collective
     on XLA:CPU too) against the emulation: outputs and every gradient, dedup and not, balanced routing,
-    every token on rank 0's experts, and a capped receive buffer; in one dispatch and in two chunks."""
+    every token on rank 0's experts, and a capped receive buffer; in one dispatch, and with dedup in two
+    chunks."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
     proc = subprocess.run(
         [sys.executable, "-c", _FOUR_CPU_DEVICES], capture_output=True, text=True, env=env, timeout=600
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["devices"] == 4 and len(result["worst"]) == 12
+    assert result["devices"] == 4 and len(result["worst"]) == 9
     assert max(result["worst"].values()) < 1e-5, result["worst"]
 
 
