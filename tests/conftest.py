@@ -10,6 +10,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from maxtext_moe.run import progress
@@ -62,6 +63,12 @@ def tensorboard_scalars(event_file: Path) -> dict[str, dict[int, float]]:
 def tensorboard_tags(event_file: Path) -> set[str]:
     """Scalar tags in a TensorBoard event file."""
     return set(tensorboard_scalars(event_file))
+
+
+def rel(a, b) -> float:
+    """Relative L2 error of `a` against the reference `b`, in float64 (arrays of any kind numpy can read)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import rel
 from jax.sharding import PartitionSpec as P
 
 from maxtext_moe.moe import exchange, expert_parallel
@@ -23,11 +24,6 @@ CFG = MoEConfig(
     routing=RoutingConfig(num_experts=16, top_k=4, n_groups=4, topk_groups=2),
 )
 TOKENS = 64
-
-
-def rel(a: jax.Array, b: jax.Array) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 @pytest.mark.gpu

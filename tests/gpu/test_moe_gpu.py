@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import rel
 
 from maxtext_moe.moe.layer import MoEConfig, init_params, moe_forward
 from maxtext_moe.moe.reference import moe_reference
@@ -32,11 +33,6 @@ BF16_TOL = (2e-2, 2e-2)  # (forward, dL/dx), relative L2 error
 # dL/dx: the E5M2 gradient costs the most. Bounds with headroom over that, far below what a wrong scale or
 # wrong padding gives (order 1).
 FP8_TOL = (6e-2, 1e-1)
-
-
-def rel(a: jax.Array, b: jax.Array) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def check_against_reference(

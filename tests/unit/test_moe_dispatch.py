@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import rel
 
 from maxtext_moe.errors import UserError
 from maxtext_moe.moe import expert_parallel, receive, send_plan
@@ -32,11 +33,6 @@ CFG = MoEConfig(
     routing=RoutingConfig(num_experts=16, top_k=4, n_groups=4, topk_groups=2),
 )
 TOKENS = 64
-
-
-def rel(a: jax.Array, b: jax.Array) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def ep_forward(ranks: int, dedup: bool):

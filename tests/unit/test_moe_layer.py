@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import rel
 
 from maxtext_moe.errors import UserError
 from maxtext_moe.moe import gemm
@@ -20,11 +21,6 @@ CFG = MoEConfig(
     shared_mlp_dim=32,
     routing=RoutingConfig(num_experts=16, top_k=4, n_groups=4, topk_groups=2),
 )
-
-
-def rel(a: jax.Array, b: jax.Array) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 @pytest.mark.parametrize("backend", ["ragged_dot", "tokamax"])
