@@ -82,8 +82,15 @@ def test_k8s_indexed_job_and_headless_service_agree():
     distributed.check_layout(detected, resolve(RECIPE, ["topology.nodes=16"]).topology)
 
 
+# A SIGTERM: the stand-in "saves" (SAVE_S seconds on odd process ids, none on even ones) and exits 143, as
+# `maxtext-moe train` does after the checkpoint; FAIL_ON_TERM makes that process fail instead.
 STAND_IN = """#!/bin/bash
-[ -n "${TERM_TEST:-}" ] && trap 'echo term > "$OUT/term-$JAX_PROCESS_ID"; exit 0' TERM
+on_term() {
+  [ "$JAX_PROCESS_ID" = "${FAIL_ON_TERM:-}" ] && exit 5
+  [ $((JAX_PROCESS_ID % 2)) = 1 ] && sleep "${SAVE_S:-0}"
+  echo term > "$OUT/term-$JAX_PROCESS_ID"; exit 143
+}
+[ -n "${TERM_TEST:-}" ] && trap on_term TERM
 echo "$JAX_PROCESS_ID ${JAX_LOCAL_DEVICE_IDS-none} $*" > "$OUT/$JAX_PROCESS_ID"
 if [ -n "${TERM_TEST:-}" ]; then sleep 60 & wait; exit 1; fi
 [ "$JAX_PROCESS_ID" = "${FAIL_ID:-}" ] && exit 3
@@ -127,15 +134,50 @@ def test_k8s_pod_stops_the_others_when_one_process_fails(tmp_path):
     assert r.returncode == 3 and time.monotonic() - start < 20  # the others sleep 60 s unless killed
 
 
-def test_k8s_pod_passes_sigterm_to_every_process(tmp_path):
-    """Pod deletion or preemption: every process gets the SIGTERM (ours then checkpoint and stop)."""
-    proc = _pod(tmp_path, _k8s()[1], 1, TERM_TEST="1")
+def _terminate_pod(tmp_path, **env: str) -> int:
+    """Start pod 1 (processes 8-15) with the SIGTERM-aware stand-in, SIGTERM it once all run, return its status."""
+    proc = _pod(tmp_path, _k8s()[1], 1, TERM_TEST="1", **env)
     deadline = time.monotonic() + 20
     while len(list((tmp_path / "out").glob("[0-9]*"))) < 8 and time.monotonic() < deadline:
         time.sleep(0.1)
     proc.terminate()
-    assert proc.wait(timeout=20) == 0
+    return proc.wait(timeout=30)
+
+
+def test_k8s_pod_passes_sigterm_to_every_process_and_lets_each_finish_its_save(tmp_path):
+    """Pod deletion or preemption: every process gets the SIGTERM, saves and exits 143. The even ones stop at
+    once; the odd ones are still saving then and must not be killed: the pod ends 143, a stop the Job ignores."""
+    assert _terminate_pod(tmp_path, SAVE_S="3") == 143
     assert sorted(p.name for p in (tmp_path / "out").glob("term-*")) == sorted(f"term-{i}" for i in range(8, 16))
+
+
+def test_k8s_pod_reports_a_failure_during_a_stop_not_the_stop(tmp_path):
+    """A process that fails while the others stop: the pod exits with the failure, which the Job counts."""
+    assert _terminate_pod(tmp_path, FAIL_ON_TERM="12") == 5
+
+
+def test_k8s_job_fails_whole_on_a_failure_and_replaces_every_pod_after_a_stop():
+    _, job = _k8s()
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    # Any failure fails the Job, which stops every other pod: a plain Job cannot restart the pods together.
+    assert spec["backoffLimit"] == 0 and pod["restartPolicy"] == "Never"
+    # 143 (a checkpoint saved on a SIGTERM) is not counted: the pod is replaced, once the old one has ended.
+    assert spec["podFailurePolicy"]["rules"] == [
+        {"action": "Ignore", "onExitCodes": {"containerName": "train", "operator": "In", "values": [143]}}
+    ]
+    assert spec["podReplacementPolicy"] == "Failed"
+
+
+def test_k8s_grace_period_holds_a_step_and_a_checkpoint_save_of_the_671b_recipe():
+    """The figures in the template's comment: weights and Adam moments by the planner, written at 2.4 GB/s."""
+    from maxtext_moe import plan
+
+    estimate = plan.estimate(resolve(RECIPE, ["topology.nodes=16"])).to_json()
+    per_process_gib = sum(v for k, v in estimate["memory_breakdown_gib"].items() if k.startswith(("param", "optim")))
+    saved_bytes = per_process_gib * 2**30 * 128
+    assert round(per_process_gib) == 30 and round(saved_bytes / 2**40, 1) == 3.7
+    need_s = estimate["step_time_s"] + saved_bytes / 2.4e9
+    assert need_s < _k8s()[1]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == launch.K8S_GRACE_S
 
 
 def test_k8s_cpu_recipe_runs_one_process_per_pod(tmp_path):
