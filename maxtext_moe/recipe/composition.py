@@ -18,6 +18,7 @@ File format (recipes and fragments alike; every section optional):
     moe: {impl: ours, gemm: te}                      # which routed-MoE block and grouped GEMM run
     attention: {residuals: save}                     # keep flash attention's forward outputs for the backward
     guard: {action: stop, loss_spike: off}           # what a diverging run does (recipe/guard.py)
+    job: {max_restarts: 3, watchdog: auto}           # restarts and hang detection of a job (recipe/job.py)
 
 Later values replace earlier ones key by key; command-line `key=value` overrides come last.
 """
@@ -35,7 +36,7 @@ import yaml
 from maxtext_moe import paths
 from maxtext_moe.errors import UserError
 from maxtext_moe.moe import settings
-from maxtext_moe.recipe import guard, maxtext_keys
+from maxtext_moe.recipe import guard, job, maxtext_keys
 
 SECTIONS = (
     "description",
@@ -48,6 +49,7 @@ SECTIONS = (
     "moe",
     "attention",
     "guard",
+    "job",
 )
 TOPOLOGY_FIELDS = ("hardware", "nodes", "gpus_per_node")
 CORPUS_FIELDS = ("source", "max_mib", "shards")
@@ -60,6 +62,7 @@ FIELDS = {
     "moe": MOE_FIELDS,
     "attention": ATTENTION_FIELDS,
     "guard": guard.FIELDS,
+    "job": job.FIELDS,
 }
 # Fields that moved to another section: old "section.field" -> new "section.field".
 MOVED = {"moe.attention_residuals": "attention.residuals"}
@@ -73,6 +76,7 @@ PREFIXES = {
     "moe": "moe",
     "attention": "attention",
     "guard": "guard",
+    "job": "job",
 }
 COMMAND_LINE = "command line"
 # MaxText keys that `run/train.py` sets itself: a value given for them would be ignored without a word.
@@ -267,7 +271,7 @@ def parse_override(text: str) -> tuple[str, str, Any]:
                 f"unknown prefix '{prefix}' in '{dotted}'.{suggest(prefix, tuple(PREFIXES))}",
                 source=COMMAND_LINE,
                 fix="use a MaxText key, or env.NAME, xla.FLAG, topology.FIELD, corpus.FIELD, moe.FIELD, "
-                "attention.FIELD, guard.FIELD.",
+                "attention.FIELD, guard.FIELD, job.FIELD.",
             )
         section, key = PREFIXES[prefix], rest
     try:

@@ -16,6 +16,7 @@ from maxtext_moe.moe.settings import MoeSettings
 from maxtext_moe.recipe import maxtext_keys
 from maxtext_moe.recipe.guard import GuardSettings
 from maxtext_moe.recipe.hardware import Hardware, profile
+from maxtext_moe.recipe.job import JobSettings
 
 # Keys that change the shape or layout of saved parameters, besides those a MaxText model file sets.
 _CHECKPOINT_SHAPE_KEYS = (
@@ -77,6 +78,7 @@ class ResolvedRecipe:
     moe: dict[str, Any] = field(default_factory=lambda: {"impl": "maxtext"})  # MoeSettings.to_dict()
     attention: dict[str, Any] = field(default_factory=lambda: {"residuals": "recompute"})  # validate._attention
     guard: dict[str, Any] = field(default_factory=lambda: GuardSettings().to_dict())  # GuardSettings.to_dict()
+    job: dict[str, Any] = field(default_factory=lambda: JobSettings().to_dict())  # JobSettings.to_dict()
     sources: dict[str, str] = field(default_factory=dict)  # "maxtext.steps" -> file or "command line"
     files: list[str] = field(default_factory=list)
 
@@ -89,6 +91,11 @@ class ResolvedRecipe:
     def guard_settings(self) -> GuardSettings:
         """The `guard` section as code reads it: what a diverging run does."""
         return GuardSettings.from_dict(self.guard)
+
+    @property
+    def job_settings(self) -> JobSettings:
+        """The `job` section as code reads it: restarts, the hang watchdog and the compilation cache."""
+        return JobSettings.from_dict(self.job)
 
     def effective(self, key: str) -> Any:
         """A MaxText key's value as MaxText will see it: recipe, else model file, else base.yml."""
@@ -127,6 +134,7 @@ class ResolvedRecipe:
             "moe": self.moe,
             "attention": self.attention,
             "guard": self.guard,
+            "job": self.job,
             "sources": self.sources,
             "files": self.files,
         }

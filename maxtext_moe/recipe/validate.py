@@ -19,6 +19,7 @@ from maxtext_moe.data import corpus as corpus_files
 from maxtext_moe.data import prepared
 from maxtext_moe.errors import UserError
 from maxtext_moe.recipe import guard as guard_section
+from maxtext_moe.recipe import job as job_section
 from maxtext_moe.recipe import maxtext_keys, mesh_check, moe_checks
 from maxtext_moe.recipe.composition import Composition, suggest
 from maxtext_moe.recipe.hardware import PROFILES, Hardware
@@ -275,6 +276,9 @@ def resolve(comp: Composition) -> ResolvedRecipe:
     guard = guard_section.resolve(comp.sections["guard"], check.value, lambda k: comp.source("maxtext", k))
     maxtext |= guard.maxtext_keys()
     sources |= guard.sources(sources)
+    job = job_section.resolve(comp.sections["job"])
+    for key in job.to_dict():
+        sources.setdefault(f"job.{key}", "default")
     return ResolvedRecipe(
         name=comp.name,
         description=comp.description,
@@ -285,6 +289,7 @@ def resolve(comp: Composition) -> ResolvedRecipe:
         moe=moe,
         attention=attention,
         guard=guard.to_dict(),
+        job=job.to_dict(),
         sources=sources,
         files=list(comp.files),
     )
