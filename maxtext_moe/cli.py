@@ -58,6 +58,7 @@ def render_show(r: ResolvedRecipe) -> str:
         ("moe", r.moe, "moe"),
         ("attention", r.attention, "attention"),
         ("guard", r.guard, "guard"),
+        ("job", r.job, "job"),
     ):
         if not values:
             continue
@@ -98,11 +99,15 @@ def cmd_show(a: argparse.Namespace) -> int:
 
 
 def cmd_train(a: argparse.Namespace) -> int:
-    from maxtext_moe.run import train
+    from maxtext_moe.run import distributed, task_supervisor, train
 
     ref, overrides = _split_recipe(a.args)
+    resolved = resolve(ref, overrides)
+    spec = distributed.detect()
+    if task_supervisor.wanted(spec.num_processes):  # this task's trainer runs as a child; see task_supervisor
+        return task_supervisor.run(a.argv, train.run_paths(resolved).run, spec.process_id)
     try:
-        train.train(resolve(ref, overrides), force=a.force, verbose=a.verbose)
+        train.train(resolved, force=a.force, verbose=a.verbose)
     except train.Stopped as e:
         print(f"maxtext-moe: {e}", file=sys.stderr)
         return e.status  # 128 + the signal (SIGTERM, SIGINT): the run did not finish, and nothing is lost
@@ -145,10 +150,30 @@ def cmd_doctor(a: argparse.Namespace) -> int:
 def cmd_launch(a: argparse.Namespace) -> int:
     from maxtext_moe.tools import launch
 
-    resolved = resolve(a.recipe, [*a.overrides, f"topology.nodes={a.nodes}"])
+    resolved = resolve(a.recipe, [*a.overrides, f"topology.nodes={a.nodes * (a.tasks_per_node or 1)}"])
     if not a.skip_fit_check:
         launch.check_fits(resolved)
-    print(launch.render(resolved, "slurm" if a.slurm else "k8s", image=a.image, time=a.time), end="")
+    text = launch.render(
+        resolved,
+        "slurm" if a.slurm else "k8s",
+        image=a.image,
+        time=a.time,
+        runtime=a.runtime,
+        venv=a.venv,
+        max_restarts=a.max_restarts,
+        tasks_per_node=a.tasks_per_node,
+        warning_s=a.warning,
+        overrides=a.overrides,
+    )
+    print(text, end="")
+    return 0
+
+
+def cmd_report(a: argparse.Namespace) -> int:
+    from maxtext_moe.run import job_report, train
+
+    ref, overrides = _split_recipe(a.args)
+    print(job_report.line(train.run_paths(resolve(ref, overrides)).run))
     return 0
 
 
@@ -281,6 +306,26 @@ def parser() -> argparse.ArgumentParser:
     la.add_argument("--image", help="container image (default: what scripts/build_container.sh produces)")
     la.add_argument("--time", default="04:00:00", help="SLURM time limit (default %(default)s)")
     la.add_argument(
+        "--runtime",
+        choices=("pyxis", "podman", "venv"),
+        default="pyxis",
+        help="SLURM: how each task runs: a pyxis/enroot container (default), `podman run`, or a Python "
+        "environment every node mounts (--venv)",
+    )
+    la.add_argument("--venv", help="--runtime venv: the environment's folder (default: the one running this)")
+    la.add_argument(
+        "--max-restarts",
+        type=int,
+        help="SLURM: restarts in the allocation after a lost or hung process (default: the recipe's job.max_restarts)",
+    )
+    la.add_argument("--tasks-per-node", type=int, help="CPU recipes: processes per node (default 1)")
+    la.add_argument(
+        "--warning",
+        type=int,
+        default=600,
+        help="SLURM: seconds before the time limit to checkpoint and stop (default %(default)s)",
+    )
+    la.add_argument(
         "--skip-fit-check",
         action="store_true",
         help="print the job even when the planner's memory estimate says it does not fit (it is an "
@@ -297,6 +342,10 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true", help="machine-readable output")
     b.add_argument("--out", help="also write the JSON result to this file")
     b.set_defaults(func=cmd_bench)
+
+    rp = sub.add_parser("report", help="one line: what ended a job's last attempt, and the checkpoint it resumes from")
+    rp.add_argument("args", nargs="*", metavar="[RECIPE] [key=value]", help=f"as for train (default {DEFAULT_RECIPE})")
+    rp.set_defaults(func=cmd_report)
 
     c = sub.add_parser("checkpoints", help="list a run's Orbax checkpoints, their state and what a re-run resumes from")
     c.add_argument("args", nargs="*", metavar="[RECIPE] [key=value]", help=f"as for train (default {DEFAULT_RECIPE})")
@@ -371,6 +420,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return args.func(args)
     except UserError as e:

@@ -188,12 +188,15 @@ def initialize(topology: Topology | None, *, timeout_s: int = 300) -> ProcessSpe
     # preemption notifier catch SIGTERM, which MaxText's `enable_autocheckpoint` turns into a checkpoint
     # at the next step and a clean stop (a scheduler's time limit or preemption loses nothing).
     coordinator = spec.coordinator or f"127.0.0.1:{free_port()}"
+    # SLURM's local rank picks a GPU; a CPU process has its own devices, numbered from 0 whatever its rank.
+    cpu = topology is not None and topology.profile.maxtext_hardware == "cpu"
+    local = None if cpu or not spec.local_device_ids else list(spec.local_device_ids)
     jax.distributed.initialize(
         coordinator_address=coordinator,
         num_processes=spec.num_processes,
         process_id=spec.process_id,
         initialization_timeout=timeout_s,
-        local_device_ids=list(spec.local_device_ids) if spec.local_device_ids else None,
+        local_device_ids=local,
     )
     return spec
 

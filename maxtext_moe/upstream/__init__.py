@@ -11,6 +11,8 @@ Each module names the gap it fills. `SYMBOLS` lists what they touch, so that one
 - `maxtext_block`: MaxText's own `RoutedAndSharedMoE` on our parameters (the yardstick in tests, benchmarks).
 - `skip_nonfinite`: wraps the transform `optimizers.skip_step_on_spikes` builds, so that a non-finite step is
   skipped without entering its window.
+- `step_hook`: wraps `train.training_loop_iteration`, the per-step call of MaxText's loop in every process, for
+  the heartbeat the hang watchdog reads.
 - `stop_metrics`: holds the `StopTraining` that `checkpointing.maybe_save_checkpoint` raises on a SIGTERM until
   `MetricLogger.buffer_and_write_metrics` has the stopped step's metrics.
 - `remat`: wraps `NNXDecoder.get_remat_policy` to keep flash attention's forward outputs.
@@ -61,6 +63,7 @@ SYMBOLS: tuple[tuple[str, str, str], ...] = (
     ("maxtext", "maxtext.trainers.pre_train.train", "main"),
     ("maxtext", "maxtext.trainers.pre_train.train", "train_step"),
     ("maxtext", "maxtext.trainers.pre_train.train", "record_activation_metrics"),
+    ("maxtext", "maxtext.trainers.pre_train.train", "training_loop_iteration"),
     ("maxtext", "maxtext.trainers.pre_train.train_compile", "get_shaped_inputs"),
     ("maxtext", "maxtext.trainers.pre_train.train_compile", "jit_and_compile"),
     ("maxtext", "maxtext.utils.max_utils", "maybe_get_transformer_engine_context"),

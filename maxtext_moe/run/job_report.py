@@ -1,0 +1,64 @@
+"""`maxtext-moe report`: one line saying what ended a job's last attempt, for the job's output.
+
+The job script (`maxtext-moe launch`) runs this after every attempt that did not finish, before it restarts
+or gives up, so the last lines of a job's output name the lost or hung process, its host, and the checkpoint
+the next attempt resumes from. It reads what the processes left in the run folder: the supervisors' exit
+records (`run/task_supervisor.py`) and the heartbeats and verdicts of the watchdog (`run/watchdog.py`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from maxtext_moe.run import run_dir, watchdog
+
+STOPPED = (130, 143)  # a checkpoint at the next step, then out: Ctrl-C, SIGTERM
+
+
+def _exits(run: Path) -> dict[int, dict]:
+    out = {}
+    for path in (run / watchdog.PROCESSES).glob("process-*.exit.json"):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        out[int(record["process"])] = record
+    return out
+
+
+def cause(run: Path) -> str:
+    """What ended the last attempt: a hung process (a watchdog's verdict), a process that ended by itself, a
+    process that left no record (its host went away), a stop on a signal, or a finished run."""
+    records = {r.process: r for r in watchdog.read_records(run)}
+    exits = _exits(run)
+    verdicts = sorted((r for r in records.values() if r.verdict), key=lambda r: r.updated)
+    if verdicts:
+        return "hung: " + verdicts[0].verdict.removeprefix("maxtext-moe: ")
+    own = sorted((e for e in exits.values() if e["by"] == "itself" and e["status"] != 0), key=lambda e: e["time"])
+    own = [e for e in own if e["status"] not in STOPPED] or own
+    if own:
+        e = own[0]
+        r = records.get(e["process"])
+        at = "" if r is None or r.step is None else f" in step {r.step}"
+        return f"lost: process {e['process']} on {e['host']} (pid {e['pid']}) {e['how']}{at}"
+    missing = sorted(set(records) - set(exits))
+    if missing:
+        r = records[missing[0]]
+        return (
+            f"lost: process {r.process} on {r.host} (pid {r.pid}) left no exit record: its host or its "
+            "supervisor went away"
+        )
+    statuses = {e["status"] for e in exits.values()}
+    if statuses and statuses <= set(STOPPED):
+        return "stopped: every process saved a checkpoint and stopped on a signal"
+    if statuses == {0}:
+        return "finished"
+    return "ended: " + ", ".join(f"process {p} {e['how']}" for p, e in sorted(exits.items()))
+
+
+def line(run: Path) -> str:
+    """`cause`, with the checkpoint a re-run resumes from."""
+    latest = run_dir.scan(run / "checkpoints").latest
+    where = "no complete checkpoint yet" if latest is None else f"the last complete checkpoint is step {latest}"
+    return f"maxtext-moe: {cause(run)}; {where} in {run / 'checkpoints'}."

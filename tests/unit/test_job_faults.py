@@ -1,0 +1,104 @@
+"""The job section, the watchdog's verdict and the report line, on records as processes write them."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from conftest import run_cli
+
+from maxtext_moe.cli import resolve
+from maxtext_moe.errors import UserError
+from maxtext_moe.recipe import job
+from maxtext_moe.run import job_report, watchdog
+
+
+def test_job_section_defaults_and_timeouts():
+    settings = resolve("deepseek3-tiny-cpu", []).job_settings
+    assert (settings.max_restarts, settings.watchdog, settings.compile_cache) == (3, "auto", "auto")
+    assert settings.timeout(None) == settings.first_step_s  # before the first step: the compilation floor
+    assert settings.timeout(0.5) == job.AUTO_MIN_S
+    assert settings.timeout(20.0) == 20.0 * job.AUTO_FACTOR
+    fixed = resolve("deepseek3-tiny-cpu", ["job.watchdog=30", "job.first_step_s=10"]).job_settings
+    assert (fixed.timeout(None), fixed.timeout(100.0)) == (30.0, 30.0)
+    assert resolve("deepseek3-tiny-cpu", ["job.watchdog=off"]).job_settings.timeout(1.0) is None
+    assert job.cache_dir(settings, "/r/x", 4, "~/jax_cache") == "/r/x/jax_cache"
+    assert job.cache_dir(settings, "/r/x", 1, "~/jax_cache") == "~/jax_cache"
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("job.max_restarts=-1", "job.max_restarts: must be a whole number of at least 0"),
+        ("job.watchdog=0", "job.watchdog: must be a number of seconds above 0"),
+        ("job.first_step_s=-5", "job.first_step_s: must be a number of seconds above 0"),
+        ("job.restarts=2", "job.restarts: unknown job field"),
+    ],
+)
+def test_bad_job_values_name_the_key(override, message):
+    with pytest.raises(UserError, match=message.replace("(", r"\(")):
+        resolve("deepseek3-tiny-cpu", [override])
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["deepseek3-671b-h200-128", "--nodes", "16", "job.watchdog=5"], "job.watchdog: is 5 s, but the planner puts"),
+        (["deepseek3-671b-h200-128", "--nodes", "16", "--max-restarts", "-1"], "--max-restarts: must be 0 or more"),
+        (["deepseek3-tiny-cpu", "--nodes", "3", "ici_fsdp_parallelism=2"], "does not fit 3 devices"),
+        (["deepseek3-671b-h200-128", "--nodes", "16", "--tasks-per-node", "2"], "--tasks-per-node: is for CPU"),
+    ],
+)
+def test_launch_refuses_bad_job_options_in_one_line(args, message):
+    r = run_cli("launch", "--slurm", *args, timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and message in lines[0], r.stderr
+    assert r.stdout == ""
+
+
+def _record(process: int, step: int | None, age: float, now: float) -> watchdog.Record:
+    return watchdog.Record(process, f"n{process // 2 + 1}", 100 + process, 0, step, now - age - 1, now - age)
+
+
+def test_the_silent_process_is_the_stale_one_else_the_one_behind():
+    now = time.time()
+    stopped = [_record(0, 7, 0.5, now), _record(1, 7, 40.0, now), _record(2, 7, 1.0, now)]
+    who, why = watchdog.silent(stopped, now)
+    assert who.process == 1 and why.startswith("no heartbeat for 40 s")
+    behind = [_record(0, 9, 0.5, now), _record(1, 9, 0.5, now), _record(3, 8, 0.5, now)]
+    who, why = watchdog.silent(behind, now)
+    assert who.process == 3 and "is still before step 9" in why
+    who, why = watchdog.silent([_record(0, 9, 0.5, now), _record(1, 9, 0.5, now)], now)
+    assert who is None and "every process is alive at step 9" in why
+
+
+def test_fault_injection_reads_its_variable(monkeypatch):
+    monkeypatch.setenv(watchdog.FAULT_VAR, "hang:process=3:step=9:attempt=2")
+    assert watchdog._fault(3, 2) == 9
+    assert watchdog._fault(3, 1) is None and watchdog._fault(2, 2) is None
+    monkeypatch.setenv(watchdog.FAULT_VAR, "hang:rank=3")
+    with pytest.raises(UserError, match="MAXTEXT_MOE_FAULT"):
+        watchdog._fault(3, 0)
+
+
+def test_report_names_the_process_that_ended_by_itself(tmp_path):
+    now = time.time()
+    for p in range(4):
+        watchdog.write_json(watchdog.record_path(tmp_path, p), vars(_record(p, 5, 1.0, now)))
+    exits = {0: (143, "launcher"), 1: (143, "launcher"), 2: (-9, "itself"), 3: (-15, "launcher")}
+    for p, (status, by) in exits.items():
+        how = "killed by SIGKILL" if status == -9 else f"exited with status {status}"
+        watchdog.write_json(
+            tmp_path / "processes" / f"process-{p}.exit.json",
+            {"process": p, "host": f"n{p // 2 + 1}", "pid": 100 + p, "status": status, "how": how, "by": by,
+             "signals": [], "time": now + p},
+        )  # fmt: skip
+    line = job_report.line(tmp_path)
+    assert line.startswith("maxtext-moe: lost: process 2 on n2 (pid 102) killed by SIGKILL in step 5;")
+    assert "no complete checkpoint yet" in line
+    (tmp_path / "processes" / "process-2.exit.json").unlink()  # its node went away with its supervisor
+    for p in (0, 1, 3):
+        (tmp_path / "processes" / f"process-{p}.exit.json").write_text(
+            (tmp_path / "processes" / f"process-{p}.exit.json").read_text().replace('"itself"', '"launcher"')
+        )
+    assert "lost: process 2 on n2 (pid 102) left no exit record" in job_report.line(tmp_path)
