@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fresh machine -> lint (ruff check, ruff format --check), then the full test suite (CPU).
+# Fresh machine -> lint (ruff check, ruff format --check), then the full test suite (CPU), SLURM's included.
 # Extra arguments go to pytest, e.g. scripts/test.sh -m "not slow"; the tests run in two pytest-xdist workers
 # (most are subprocesses that keep one core busy: 17-23 minutes on 2 cores), -n 0 for one.
 set -euo pipefail
@@ -9,4 +9,5 @@ cd "$root"
 "$py" -m ruff check .
 "$py" -m ruff format --check .
 "$root/scripts/setup-hf-reference.sh" >/dev/null  # torch + transformers for the conversion tests, apart from .venv
-exec "$py" -m pytest -n 2 "$@"
+"$root/scripts/setup-slurm.sh"                     # SLURM and munge for the job tests (tests/slurm_cluster.py)
+exec "$py" -m pytest -n 2 --dist loadgroup "$@"

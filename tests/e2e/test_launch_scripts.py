@@ -36,9 +36,8 @@ def test_slurm_job_one_task_per_gpu_matches_distributed_detection():
     assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
     sb = _sbatch_directives(text)
     assert (sb["nodes"], sb["ntasks-per-node"], sb["gpus-per-node"]) == ("16", "8", "8")
-    assert re.search(
-        rf"^\s*maxtext-moe train {RECIPE} topology\.nodes=16 base_output_directory=/runs \"\$@\"$", text, re.M
-    )
+    assert re.search(rf'^ARGS=\({RECIPE} topology\.nodes=16 base_output_directory=/runs "\$@"\)$', text, re.M)
+    assert 'srun --kill-on-bad-exit=1 "${TASK[@]}" train "${ARGS[@]}" &' in text
     # What one of those 128 tasks sees under srun:
     env = {
         "SLURM_NTASKS": "128",
