@@ -32,16 +32,20 @@ def cause(run: Path) -> str:
     process that left no record (its host went away), a stop on a signal, or a finished run."""
     records = {r.process: r for r in watchdog.read_records(run)}
     exits = _exits(run)
-    verdicts = sorted((r for r in records.values() if r.verdict), key=lambda r: r.updated)
-    if verdicts:
-        return "hung: " + verdicts[0].verdict.removeprefix("maxtext-moe: ")
-    own = sorted((e for e in exits.values() if e["by"] == "itself" and e["status"] != 0), key=lambda e: e["time"])
-    own = [e for e in own if e["status"] not in STOPPED] or own
-    if own:
-        e = own[0]
-        r = records.get(e["process"])
-        at = "" if r is None or r.step is None else f" in step {r.step}"
-        return f"lost: process {e['process']} on {e['host']} (pid {e['pid']}) {e['how']}{at}"
+    # The first thing that went wrong: a process that ended by itself (an error, a signal of its own), or a
+    # watchdog's verdict on a silent process; what the launcher then did to the others follows from it.
+    events = [
+        (r.updated, "hung: " + r.verdict.removeprefix("maxtext-moe: ").rstrip("."))
+        for r in records.values()
+        if r.verdict
+    ]
+    for e in exits.values():
+        if e["by"] == "itself" and e["status"] not in (0, watchdog.STALLED, *STOPPED):
+            r = records.get(e["process"])
+            at = "" if r is None or r.step is None else f" in step {r.step}"
+            events.append((e["time"], f"lost: process {e['process']} on {e['host']} (pid {e['pid']}) {e['how']}{at}"))
+    if events:
+        return min(events)[1]
     missing = sorted(set(records) - set(exits))
     if missing:
         r = records[missing[0]]

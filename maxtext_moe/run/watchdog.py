@@ -72,7 +72,7 @@ def read_records(run: Path) -> list[Record]:
 def write_json(path: Path, data: dict) -> None:
     """Replace `path` whole: a reader on another node never sees half a record."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")  # one per writer
     tmp.write_text(json.dumps(data))
     os.replace(tmp, path)
 
@@ -164,10 +164,9 @@ class Watchdog:
         return self.settings.timeout(self.slowest)
 
     def _write(self) -> None:
-        with self._lock:
+        with self._lock:  # the step hook and the thread both write; a newer record must not be overtaken
             self.record.updated = time.time()
-            data = asdict(self.record)
-        write_json(record_path(self.run, self.record.process), data)
+            write_json(record_path(self.run, self.record.process), asdict(self.record))
 
     def _loop(self) -> None:
         while not self._done.wait(INTERVAL_S):

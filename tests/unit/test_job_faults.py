@@ -102,3 +102,31 @@ def test_report_names_the_process_that_ended_by_itself(tmp_path):
             (tmp_path / "processes" / f"process-{p}.exit.json").read_text().replace('"itself"', '"launcher"')
         )
     assert "lost: process 2 on n2 (pid 102) left no exit record" in job_report.line(tmp_path)
+
+
+def test_the_step_hook_and_the_heartbeat_thread_write_one_record_without_tripping_on_each_other(tmp_path):
+    """Both write process-K.json from one process; with one temporary name for both, a rename took the other's
+    file away and the trainer died of FileNotFoundError in the middle of a job."""
+    import threading
+
+    from maxtext_moe.recipe.job import JobSettings
+
+    dog = watchdog.Watchdog(tmp_path, 2, JobSettings())
+    errors: list[BaseException] = []
+
+    def hammer() -> None:
+        try:
+            for _ in range(300):
+                dog._write()
+        except BaseException as e:  # noqa: BLE001 - the test reports any of them
+            errors.append(e)
+
+    threads = [threading.Thread(target=hammer) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for step in range(300):
+        dog.before_step(step)
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert watchdog.read_records(tmp_path)[0].step == 299
