@@ -150,6 +150,13 @@ def cmd_doctor(a: argparse.Namespace) -> int:
 def cmd_launch(a: argparse.Namespace) -> int:
     from maxtext_moe.tools import launch
 
+    if a.k8s and (a.max_restarts is not None or a.runtime != "pyxis" or a.venv):
+        raise UserError(
+            "--max-restarts, --runtime and --venv are for --slurm: a Kubernetes Job fails whole on a lost or hung "
+            "process, and `kubectl replace --force -f job.yaml` resumes it (docs/CLUSTER.md).",
+            key="--k8s",
+            fix="leave them out with --k8s.",
+        )
     resolved = resolve(a.recipe, [*a.overrides, f"topology.nodes={a.nodes * (a.tasks_per_node or 1)}"])
     if not a.skip_fit_check:
         launch.check_fits(resolved)

@@ -47,10 +47,12 @@ def test_bad_job_values_name_the_key(override, message):
         (["deepseek3-671b-h200-128", "--nodes", "16", "--max-restarts", "-1"], "--max-restarts: must be 0 or more"),
         (["deepseek3-tiny-cpu", "--nodes", "3", "ici_fsdp_parallelism=2"], "does not fit 3 devices"),
         (["deepseek3-671b-h200-128", "--nodes", "16", "--tasks-per-node", "2"], "--tasks-per-node: is for CPU"),
+        (["deepseek3-671b-h200-128", "--nodes", "16", "--k8s", "--max-restarts", "2"], "--k8s: --max-restarts"),
     ],
 )
 def test_launch_refuses_bad_job_options_in_one_line(args, message):
-    r = run_cli("launch", "--slurm", *args, timeout=120)
+    target = [] if "--k8s" in args else ["--slurm"]
+    r = run_cli("launch", *target, *args, timeout=120)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and message in lines[0], r.stderr
     assert r.stdout == ""
