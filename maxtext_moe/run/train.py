@@ -159,6 +159,10 @@ def train(
                 found = run_dir.prepare(rp.run, resolved.checkpoint_identity(), force=force, log=out)
             else:
                 found = run_dir.scan(rp.run / "checkpoints")
+        # Layout resume: a checkpoint of another process count keeps its data position, or one line here.
+        from maxtext_moe.run import data_position
+
+        data_position.check(resolved.effective, rp.run / "checkpoints", found, proc, log=out)
         return _run(
             resolved, rp, proc, found, config, verbose=verbose, out=out, count_upstream_routing=count_upstream_routing
         )
@@ -219,6 +223,9 @@ def _run(
             + (f"resuming from step {start}" if start else "starting from scratch")
             + f", training to step {steps}; checkpoints and TensorBoard in {rp.run}, MaxText log in {rp.log}"
         )
+        from maxtext_moe.run import data_position  # layout resume: re-shard a data position on restore
+
+        data_position.install()
         from maxtext.trainers.pre_train import train as maxtext_train
 
         ckpt_dir = rp.run / "checkpoints"
