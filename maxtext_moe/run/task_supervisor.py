@@ -75,7 +75,8 @@ def run(argv: list[str], run_dir: Path, process: int) -> int:
         },
     )
     if status < 0:  # end as the child did, so that the launcher sees the same signal
-        signal.signal(-status, signal.SIG_DFL)
+        if -status not in (signal.SIGKILL, signal.SIGSTOP):  # neither can be caught, nor handed a disposition
+            signal.signal(-status, signal.SIG_DFL)
         os.kill(os.getpid(), -status)
         return 128 - status
     return status

@@ -5,7 +5,8 @@ arriving at a collective leaves every other one waiting inside that collective, 
 service only notices a process that is gone, not one that is alive and silent. Each process here writes
 `<run>/processes/process-K.json` (host, pid, the step it started, when) from a thread, and the same thread
 ends the process when no step has started for the recipe's `job.watchdog` timeout: it writes every thread's
-Python stack (`faulthandler`) to `<run>/stacks/process-K.txt`, names the silent process from the others'
+Python stack (`faulthandler`) to `<run>/stacks/process-K.txt` (as every process does when the launcher then
+ends it with SIGTERM), names the silent process from the others'
 records in one line, and exits with `STALLED` so that the launcher (`srun --kill-on-bad-exit`, the Kubernetes
 pod script) ends the job and its restart loop starts it again.
 
@@ -16,9 +17,11 @@ collective, for testing a cluster's fault handling before a real run meets one.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -136,6 +139,16 @@ class Watchdog:
         self._thread = threading.Thread(target=self._loop, name="maxtext-moe-watchdog", daemon=True)
 
     def __enter__(self) -> Watchdog:
+        # The launcher ends an attempt with SIGTERM to every process (srun --kill-on-bad-exit, a pod's stop):
+        # each one's stacks go to the run folder then, before JAX's preemption handler (chained) takes it.
+        self._stacks_path.parent.mkdir(parents=True, exist_ok=True)
+        self._stacks = self._stacks_path.open("a")  # earlier attempts' stacks stay
+        self._kept = self._stacks.tell()
+        r = self.record
+        self._stacks.write(f"== process {r.process} on {r.host} (pid {r.pid}), attempt {r.attempt}, {time.ctime()}\n")
+        self._stacks.flush()
+        self._header_end = self._stacks.tell()
+        faulthandler.register(signal.SIGTERM, file=self._stacks, all_threads=True, chain=True)
         self._write()
         self._thread.start()
         return self
@@ -143,9 +156,25 @@ class Watchdog:
     def __exit__(self, *exc: object) -> None:
         self._done.set()
         self._thread.join(timeout=2 * INTERVAL_S)
+        faulthandler.unregister(signal.SIGTERM)
+        self._stacks.close()
+        if self._stacks_path.stat().st_size == self._header_end:  # no stacks this time: drop the header
+            os.truncate(self._stacks_path, self._kept)
+        if self._stacks_path.stat().st_size == 0:
+            self._stacks_path.unlink()
+            with contextlib.suppress(OSError):
+                self._stacks_path.parent.rmdir()
+
+    @property
+    def _stacks_path(self) -> Path:
+        return self.run / STACKS / f"process-{self.record.process}.txt"
 
     def before_step(self, step: int) -> None:
         """MaxText's loop is about to run `step` (upstream.step_hook)."""
+        if step == self.hang_before:  # the record keeps the step before: this process never starts this one
+            self.out(f"maxtext-moe: {FAULT_VAR}: process {self.record.process} stops before step {step}, as asked.")
+            while True:
+                time.sleep(3600)
         now = time.time()
         with self._lock:
             r = self.record
@@ -155,10 +184,6 @@ class Watchdog:
                 self.first = step
             r.step, r.step_started = step, now
         self._write()
-        if step == self.hang_before:
-            self.out(f"maxtext-moe: {FAULT_VAR}: process {r.process} stops before step {step}, as asked.")
-            while True:
-                time.sleep(3600)
 
     def timeout(self) -> float | None:
         return self.settings.timeout(self.slowest)
@@ -179,11 +204,12 @@ class Watchdog:
     def _fire(self, waited: float, timeout: float) -> None:
         """Stacks to the run folder, one line naming the silent process, and out with STALLED."""
         r = self.record
-        stacks = self.run / STACKS / f"process-{r.process}.txt"
-        stacks.parent.mkdir(parents=True, exist_ok=True)
-        with stacks.open("w") as f:
-            f.write(f"process {r.process} on {r.host} (pid {r.pid}), {time.ctime()}: no step for {waited:.0f} s\n")
-            faulthandler.dump_traceback(f, all_threads=True)
+        stacks = self._stacks_path
+        self._stacks.write(
+            f"process {r.process} on {r.host} (pid {r.pid}), {time.ctime()}: no step for {waited:.0f} s\n"
+        )
+        self._stacks.flush()
+        faulthandler.dump_traceback(self._stacks, all_threads=True)
         who, why = silent(read_records(self.run), time.time())
         where = "no step started yet" if r.step is None else f"step {r.step} started {waited:.0f} s ago"
         named = f"process {who.process} on {who.host} (pid {who.pid}) is silent: {why}" if who else why

@@ -117,6 +117,10 @@ def reference(cluster, script, tmp_path_factory) -> tuple[dict[int, float], floa
     losses = _losses(run)
     assert sorted(losses) == list(range(STEPS)), out[-3000:]
     assert f"maxtext-moe job {job}: finished" in out
+    # Process 0 alone prints the progress and writes the run folder's identity; each other one its own log.
+    assert sum(line.startswith(f"step {STEPS:5d}/{STEPS}") for line in out.splitlines()) == 1
+    assert json.loads((run / "maxtext-moe-run.json").read_text())["recipe"] == "deepseek3-tiny-cpu"
+    assert all((run / f"maxtext.process-{k}.log").is_file() for k in (1, 2, 3))
     return losses, _first_step_s(_records(run))
 
 
@@ -163,14 +167,15 @@ def test_lost_and_hung_processes_end_the_attempt_and_the_job_restarts_in_place(c
     )
     host = victim.host
     assert f"maxtext-moe: lost: process 2 on {host} (pid {victim.pid}) killed by SIGKILL" in out
+    assert "task 2: Killed" in out  # its supervisor ends as its trainer did, so SLURM says the same
     assert "maxtext-moe: hung: watchdog:" in out and "process 1 on" in out and "is silent: no heartbeat" in out
-    assert f"is still before step {hang_step}" in out or f"process 3 on {host}" in out
+    assert f"process 3 on {host} (pid " in out and f"is still before step {hang_step} while" in out
     assert f"MAXTEXT_MOE_FAULT: process 3 stops before step {hang_step}" in out
     for n in (1, 2, 3):
         assert f"maxtext-moe job {job}: restart {n} of 3 in this allocation" in out
     assert "the last complete checkpoint is step" in out
     assert sorted(p.name for p in (run / "stacks").iterdir()) == [f"process-{i}.txt" for i in (0, 1, 2, 3)]
-    assert "Thread" in (run / "stacks" / "process-3.txt").read_text()
+    assert "in before_step" in (run / "stacks" / "process-3.txt").read_text()  # where the injected hang waits
     assert stopped_s < 30 + 3 * watchdog.INTERVAL_S + 10
     assert warm_first_step_s < cold_first_step_s
     losses = _losses(run)
@@ -180,17 +185,15 @@ def test_lost_and_hung_processes_end_the_attempt_and_the_job_restarts_in_place(c
 
 def test_time_limit_warning_checkpoints_requeues_and_resumes(cluster, script, reference, tmp_path):
     """SLURM's warning before the time limit (--signal=B:USR1, sent here as SLURM sends it: to the batch shell
-    only) reaches every process; each saves at the next step and stops; the job requeues itself and its next
-    run (SLURM_RESTART_COUNT 1) resumes with the same losses as the uninterrupted job."""
+    only) reaches every process; each saves at the next step and stops; the job requeues itself, and its next
+    run (SLURM_RESTART_COUNT 1, after the requeue hold) resumes with the same losses as the uninterrupted job."""
     ref_losses, _ = reference
     runs = tmp_path / "runs"
     run = runs / "deepseek3-tiny-cpu"
     job = _submit(cluster, script, runs)
     _wait_for(_at_step(run, 0, 4), JOB_TIMEOUT_S)
     cluster.run("scancel", "-b", "--signal=USR1", str(job))
-    _wait_for(lambda: "requeued to resume" in _output(script, job) and cluster.state(job) == "PENDING", 120)
-    _wait_for(lambda: "BeginTime" in cluster.run("scontrol", "show", "job", str(job)).stdout, 60)
-    cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+    _wait_for(lambda: "requeued to resume" in _output(script, job), 180)
     state = cluster.wait(job, JOB_TIMEOUT_S)
     out = _output(script, job)
     assert state == "COMPLETED", out[-5000:] + cluster.log_tail()

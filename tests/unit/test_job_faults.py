@@ -18,7 +18,7 @@ def test_job_section_defaults_and_timeouts():
     assert (settings.max_restarts, settings.watchdog, settings.compile_cache) == (3, "auto", "auto")
     assert settings.timeout(None) == settings.first_step_s  # before the first step: the compilation floor
     assert settings.timeout(0.5) == job.AUTO_MIN_S
-    assert settings.timeout(20.0) == 20.0 * job.AUTO_FACTOR
+    assert settings.timeout(60.0) == 60.0 * job.AUTO_FACTOR
     fixed = resolve("deepseek3-tiny-cpu", ["job.watchdog=30", "job.first_step_s=10"]).job_settings
     assert (fixed.timeout(None), fixed.timeout(100.0)) == (30.0, 30.0)
     assert resolve("deepseek3-tiny-cpu", ["job.watchdog=off"]).job_settings.timeout(1.0) is None
@@ -132,3 +132,26 @@ def test_the_step_hook_and_the_heartbeat_thread_write_one_record_without_trippin
         t.join()
     assert errors == []
     assert watchdog.read_records(tmp_path)[0].step == 299
+
+
+def test_a_sigterm_writes_this_processs_stacks_and_a_clean_exit_leaves_no_file(tmp_path):
+    """The launcher ends an attempt with SIGTERM to every process: each writes its stacks, then the signal goes
+    on to the handler that was there before (JAX's preemption notifier in a job)."""
+    import signal
+
+    from maxtext_moe.recipe.job import JobSettings
+
+    seen: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    try:
+        with watchdog.Watchdog(tmp_path, 1, JobSettings()):
+            pass
+        assert not (tmp_path / "stacks").exists()
+        with watchdog.Watchdog(tmp_path, 1, JobSettings()):
+            signal.raise_signal(signal.SIGTERM)
+        stacks = (tmp_path / "stacks" / "process-1.txt").read_text()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert seen == [signal.SIGTERM]
+    assert stacks.startswith("== process 1 on ") and "most recent call first" in stacks
+    assert "test_a_sigterm_writes_this_processs_stacks" in stacks
