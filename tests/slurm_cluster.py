@@ -20,6 +20,9 @@ from pathlib import Path
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue")
 KILL_WAIT_S = 10  # SIGTERM to SIGKILL when SLURM ends a step: the time a process has to save and stop
+# A job credential's lifetime, which is also how long a requeued job waits before it starts again (120 s by default;
+# a requeued job started sooner is killed with "Job credential revoked").
+CRED_EXPIRE_S = 10
 
 
 def missing() -> list[str]:
@@ -44,7 +47,7 @@ SlurmctldPort={ctld_port}
 SlurmUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={dir}/munge.sock
+AuthInfo=socket={dir}/munge.sock,cred_expire={cred_expire}
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
@@ -86,7 +89,13 @@ class Cluster:
         self.dir.chmod(0o755)
         ctld, n1, n2 = _free_ports(3)
         conf = CONF.format(
-            host=socket.gethostname(), dir=self.dir, ctld_port=ctld, n1_port=n1, n2_port=n2, kill_wait=KILL_WAIT_S
+            host=socket.gethostname(),
+            dir=self.dir,
+            ctld_port=ctld,
+            n1_port=n1,
+            n2_port=n2,
+            kill_wait=KILL_WAIT_S,
+            cred_expire=CRED_EXPIRE_S,
         )
         (self.dir / "slurm.conf").write_text(conf)
         subprocess.run(

@@ -22,7 +22,7 @@ from typing import Any
 
 from maxtext_moe.data import corpus, prepared
 from maxtext_moe.errors import UserError
-from maxtext_moe.recipe import advice, maxtext_keys, xla_flags
+from maxtext_moe.recipe import advice, job, maxtext_keys, xla_flags
 from maxtext_moe.recipe.resolved import ResolvedRecipe
 from maxtext_moe.run import (
     checkpoint_failures,
@@ -34,10 +34,11 @@ from maxtext_moe.run import (
     preflight,
     rollback,
     run_dir,
+    watchdog,
 )
 from maxtext_moe.run.guard_counts import GuardCounts
 from maxtext_moe.run.progress import Progress, prints_to_log
-from maxtext_moe.upstream import maxtext_config, remat, stop_metrics
+from maxtext_moe.upstream import maxtext_config, remat, step_hook, stop_metrics
 
 
 class Stopped(Exception):
@@ -107,6 +108,18 @@ def _maxtext_logging(log_file: Path, verbose: bool) -> Iterator[None]:
         for h, level in upstream:
             h.setLevel(level)
         root.setLevel(old_level)
+
+
+@contextmanager
+def _watched(resolved: ResolvedRecipe, rp: RunPaths, proc: distributed.ProcessSpec) -> Iterator[None]:
+    """The heartbeat and hang watchdog of a process of a multi-process job (run/watchdog.py): its launcher
+    stops the others and restarts the job when it ends a hung process. A single process runs unwatched."""
+    if proc.num_processes == 1:
+        yield
+        return
+    with watchdog.Watchdog(rp.run, proc.process_id, resolved.job_settings) as dog:
+        step_hook.install(dog.before_step)
+        yield
 
 
 def train(
@@ -193,8 +206,12 @@ def _run(
         resolved.maxtext,
         base_output_directory=str(rp.output),
         run_name=rp.run.name,
-        metrics_file=str(rp.metrics) if proc.is_leader else "",
-    )  # MaxText appends from every process
+        metrics_file=str(rp.metrics) if proc.is_leader else "",  # MaxText appends from every process
+    )
+    if "maxtext.jax_cache_dir" not in resolved.sources:  # a recipe's own jax_cache_dir wins over job.compile_cache
+        maxtext["jax_cache_dir"] = job.cache_dir(
+            resolved.job_settings, str(rp.run), proc.num_processes, str(resolved.effective("jax_cache_dir"))
+        )
     if resolved.corpus is not None:
         source = resolved.sources.get("corpus.source", resolved.name)
         with distributed.leader_first(proc, "corpus"):
@@ -241,6 +258,7 @@ def _run(
                         rp.metrics, steps, out=to_terminal, watch=watcher.see if proc.is_leader else None
                     ) as progress,
                     interrupt.graceful() as interrupts,
+                    _watched(resolved, rp, proc),
                 ):
                     try:
                         stop_metrics.install()  # each attempt: a stop held by the one before is not this one's
