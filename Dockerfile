@@ -7,8 +7,8 @@
 # The image takes nothing else from it: Python 3.12 comes from the python stage below, the CUDA 13 headers that
 # Transformer Engine's JAX extension compiles against from the NVIDIA wheels of the gpu extra, and JAX, TE and NCCL
 # from the venv, which pins jax 0.11.2, transformer-engine[jax] 2.20.2 and nvidia-nccl-cu13, the versions the
-# recipes were checked against (docs/CLUSTER.md says why, and which public sources name the default). Any glibc
-# >= 2.36 base with apt builds it: scripts/build_container.sh --standin builds on a Debian 12 minbase.
+# recipes were checked against (docs/CLUSTER.md says why, and which public sources name the default). Any Debian or
+# Ubuntu base builds it: scripts/build_container.sh --standin builds on a Debian 12 minbase.
 ARG BASE_IMAGE=nvcr.io/nvidia/jax:26.07-py3
 
 # The venv's interpreter, whatever the base carries: python-build-standalone's CPython PYTHON_VERSION, installed
