@@ -22,7 +22,7 @@ from maxtext_moe.run import data_position
 from maxtext_moe.run.distributed import free_port
 
 RUN = "deepseek3-tiny-cpu"
-# test_multiprocess.py's shrink with the process count left to each run: four steps' batches of 4 x 64 tokens.
+# test_multiprocess.py's shrink with the process count left to each run: a global batch of 4 sequences of 64 tokens.
 SHRINK = [
     "per_device_batch_size=1",
     "max_target_length=64",
@@ -30,6 +30,11 @@ SHRINK = [
     "base_num_decoder_layers=2",
     "mtp_num_layers=0",
     "learning_rate_schedule_steps=6",
+    # Every process compiles. On the CPU, JAX keys a cached executable by the process's own devices and only process
+    # 0 writes one, so with a compilation cache (MaxText's ~/jax_cache, the run folder's in a job) process 0 alone
+    # loads a step compiled by an earlier run; the others reached the first collective 22 to 32 s after it here,
+    # and Gloo gives up after 30 s.
+    "jax_cache_dir=",
 ]
 FOUR = ["topology.nodes=4", "topology.gpus_per_node=1"]  # 4 processes of 1 CPU device
 TWO = ["topology.nodes=2", "topology.gpus_per_node=2"]  # 2 processes of 2 CPU devices
