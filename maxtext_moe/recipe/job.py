@@ -13,7 +13,8 @@ waiting until the allocation's wall clock. These values are read by the job `max
 
 `watchdog: auto` waits `AUTO_FACTOR` times the slowest step seen so far, and at least `AUTO_MIN_S`. The watchdog
 runs in jobs of several processes, whose launcher restarts them. `compile_cache: auto` is the run folder for a job
-of several processes (a restart on other nodes finds it there) and MaxText's `jax_cache_dir` for one process.
+of several GPU processes (a restart on other nodes finds it there), off for several CPU processes (`cache_dir`
+says why), and MaxText's `jax_cache_dir` for one process.
 """
 
 from __future__ import annotations
@@ -110,11 +111,15 @@ def resolve(section: Mapping[str, Sourced]) -> JobSettings:
     )
 
 
-def cache_dir(settings: JobSettings, run: str, num_processes: int, maxtext_default: str) -> str:
-    """MaxText's `jax_cache_dir` for this run: "" turns JAX's persistent compilation cache off."""
+def cache_dir(settings: JobSettings, run: str, num_processes: int, cpu: bool, maxtext_default: str) -> str:
+    """MaxText's `jax_cache_dir` for this run: "" leaves JAX's persistent compilation cache off.
+
+    `auto` leaves it off for several CPU processes: JAX keys a CPU program by the process's own devices and only
+    process 0 writes the cache, so process 0 alone skips compiling and reaches the first collective while the
+    others still compile, past Gloo's 30 s wait."""
     choice = settings.compile_cache
     if choice == "auto":
-        choice = "run" if num_processes > 1 else maxtext_default
+        choice = maxtext_default if num_processes == 1 else ("off" if cpu else "run")
     return {"run": f"{run}/jax_cache", "off": ""}.get(choice, choice)
 
 

@@ -122,6 +122,15 @@ def _watched(resolved: ResolvedRecipe, rp: RunPaths, proc: distributed.ProcessSp
         yield
 
 
+def _cache(resolved: ResolvedRecipe, rp: RunPaths, proc: distributed.ProcessSpec) -> dict[str, str]:
+    """`jax_cache_dir` from `job.compile_cache`; nothing when the recipe sets MaxText's key itself."""
+    if "maxtext.jax_cache_dir" in resolved.sources:
+        return {}
+    cpu = resolved.topology.profile.maxtext_hardware == "cpu"
+    default = str(resolved.effective("jax_cache_dir"))
+    return {"jax_cache_dir": job.cache_dir(resolved.job_settings, str(rp.run), proc.num_processes, cpu, default)}
+
+
 def train(
     resolved: ResolvedRecipe,
     *,
@@ -162,8 +171,10 @@ def train(
         out(warning)
     for note in advice.notes(resolved):
         out(note)
+    # MaxText's config check sets JAX's compilation cache for the process: it must see the run's choice already.
     config = preflight.check(
-        resolved, dict(resolved.maxtext, base_output_directory=str(rp.output), run_name=rp.run.name)
+        resolved,
+        dict(resolved.maxtext, base_output_directory=str(rp.output), run_name=rp.run.name) | _cache(resolved, rp, proc),
     )
     with ExitStack() as held:  # process 0 holds the run folder's lock until the run ends
         with distributed.leader_first(proc, "run folder"):
@@ -208,10 +219,7 @@ def _run(
         run_name=rp.run.name,
         metrics_file=str(rp.metrics) if proc.is_leader else "",  # MaxText appends from every process
     )
-    if "maxtext.jax_cache_dir" not in resolved.sources:  # a recipe's own jax_cache_dir wins over job.compile_cache
-        maxtext["jax_cache_dir"] = job.cache_dir(
-            resolved.job_settings, str(rp.run), proc.num_processes, str(resolved.effective("jax_cache_dir"))
-        )
+    maxtext |= _cache(resolved, rp, proc)
     if resolved.corpus is not None:
         source = resolved.sources.get("corpus.source", resolved.name)
         with distributed.leader_first(proc, "corpus"):

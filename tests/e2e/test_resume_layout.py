@@ -30,11 +30,6 @@ SHRINK = [
     "base_num_decoder_layers=2",
     "mtp_num_layers=0",
     "learning_rate_schedule_steps=6",
-    # Every process compiles. On the CPU, JAX keys a cached executable by the process's own devices and only process
-    # 0 writes one, so with a compilation cache (MaxText's ~/jax_cache, the run folder's in a job) process 0 alone
-    # loads a step compiled by an earlier run; the others reached the first collective 22 to 32 s after it here,
-    # and Gloo gives up after 30 s.
-    "jax_cache_dir=",
 ]
 FOUR = ["topology.nodes=4", "topology.gpus_per_node=1"]  # 4 processes of 1 CPU device
 TWO = ["topology.nodes=2", "topology.gpus_per_node=2"]  # 2 processes of 2 CPU devices

@@ -22,8 +22,11 @@ def test_job_section_defaults_and_timeouts():
     fixed = resolve("deepseek3-tiny-cpu", ["job.watchdog=30", "job.first_step_s=10"]).job_settings
     assert (fixed.timeout(None), fixed.timeout(100.0)) == (30.0, 30.0)
     assert resolve("deepseek3-tiny-cpu", ["job.watchdog=off"]).job_settings.timeout(1.0) is None
-    assert job.cache_dir(settings, "/r/x", 4, "~/jax_cache") == "/r/x/jax_cache"
-    assert job.cache_dir(settings, "/r/x", 1, "~/jax_cache") == "~/jax_cache"
+    assert job.cache_dir(settings, "/r/x", 4, False, "~/jax_cache") == "/r/x/jax_cache"
+    assert job.cache_dir(settings, "/r/x", 4, True, "~/jax_cache") == ""  # only process 0 would hit it on CPUs
+    assert job.cache_dir(settings, "/r/x", 1, True, "~/jax_cache") == "~/jax_cache"
+    off = resolve("deepseek3-tiny-cpu", ["job.compile_cache=off"]).job_settings
+    assert job.cache_dir(off, "/r/x", 1, True, "~/jax_cache") == ""
 
 
 @pytest.mark.parametrize(
