@@ -234,9 +234,10 @@ def leader_first(spec: ProcessSpec, step: str, *, timeout_s: int = 600) -> Itera
         return
     outcome = client.blocking_key_value_get(key, timeout_s * 1000)
     if outcome.startswith(_FAILED):
+        told = outcome[len(_FAILED) :]  # process 0's own message, with its fix when it has one
         raise UserError(
-            f"process 0 failed while preparing the {step}: {outcome[len(_FAILED) :]}",
-            fix="see process 0's message; this process stopped with it.",
+            f"process 0 failed while preparing the {step}: {told}",
+            fix=None if " Fix: " in told else "see process 0's message; this process stopped with it.",
         )
     yield
 

@@ -158,3 +158,22 @@ def test_a_sigterm_writes_this_processs_stacks_and_a_clean_exit_leaves_no_file(t
     assert seen == [signal.SIGTERM]
     assert stacks.startswith("== process 1 on ") and "most recent call first" in stacks
     assert "test_a_sigterm_writes_this_processs_stacks" in stacks
+
+
+def test_a_process_stopped_by_process_0s_failure_gives_its_fix_once(monkeypatch):
+    """The other processes repeat process 0's message; with a fix of its own it read "... Fix: ... Fix: see
+    process 0's message"."""
+    from maxtext_moe.run import distributed
+    from maxtext_moe.upstream import jax_coordination
+
+    told = "failed: run folder: in use by another run. Fix: wait for it."
+
+    class Store:
+        def blocking_key_value_get(self, key: str, timeout_ms: int) -> str:
+            return told
+
+    monkeypatch.setattr(jax_coordination, "client", Store)
+    spec = distributed.ProcessSpec("slurm", 2, 1, "h:1", None)
+    with pytest.raises(UserError) as e, distributed.leader_first(spec, "run folder"):
+        pass
+    assert str(e.value).count("Fix:") == 1 and str(e.value).endswith("Fix: wait for it.")
