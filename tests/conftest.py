@@ -38,6 +38,37 @@ def run_cli(
     )
 
 
+def run_processes(n: int, *args: str, timeout: int = 400) -> list[subprocess.CompletedProcess]:
+    """`python -m maxtext_moe ARGS` as processes 0..n-1 of one job on loopback, as a launcher starts them."""
+    from maxtext_moe.run.distributed import free_port
+
+    port = free_port()
+    procs = []
+    for pid in range(n):
+        env = dict(
+            os.environ,
+            PYTHONUNBUFFERED="1",
+            JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+            JAX_NUM_PROCESSES=str(n),
+            JAX_PROCESS_ID=str(pid),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "maxtext_moe", *args],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    results = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=timeout)
+        results.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    return results
+
+
 def read_metrics(run_dir: Path) -> dict[int, dict]:
     """Step -> MaxText's scalars from the run's metrics file (a resumed run appends)."""
     return progress.read_metrics(run_dir / "metrics.jsonl")

@@ -92,12 +92,18 @@ def test_cublas_pin_runs_tes_single_kernel_grouped_gemm_and_is_what_the_device_c
     assert_carry_downloads(tmp_path, "build_cublas_carry.sh", "CUBLAS_VERSION", "nvidia-cublas", pin)
 
 
+def recording_stub(tmp_path: Path, command: str, then: str = "") -> Path:
+    """A folder for PATH whose `command` appends its arguments to tmp_path/<command>.log, then runs `then`."""
+    fake = tmp_path / "bin"
+    fake.mkdir(exist_ok=True)
+    (fake / command).write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/{command}.log\n{then}')
+    (fake / command).chmod(0o755)
+    return fake
+
+
 def assert_carry_downloads(tmp_path: Path, script: str, version_env: str, dist: str, pin: str) -> None:
     """A device carry builder downloads the gpu extra's pin (a stand-in python3 records the call and stops it)."""
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    (fake / "python3").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/python3.log\nexit 3\n')
-    (fake / "python3").chmod(0o755)
+    fake = recording_stub(tmp_path, "python3", "exit 3\n")
     prune = tmp_path / "prune_fatbin.py"
     prune.write_text("")
     env = {k: v for k, v in os.environ.items() if k != version_env}
@@ -202,10 +208,7 @@ def test_copied_paths_exist_and_bundle_recipes_and_configs():
 
 
 def test_build_script_tags_the_image_launch_defaults_to(tmp_path):
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    (fake / "docker").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/docker.log\n')
-    (fake / "docker").chmod(0o755)
+    fake = recording_stub(tmp_path, "docker")
     env = dict(os.environ, PATH=f"{fake}:/usr/bin:/bin")
     r = subprocess.run(
         [str(REPO / "scripts/build_container.sh"), "--push", "reg.example/mtm"],
@@ -333,10 +336,7 @@ def test_engine_is_podman_where_docker_has_no_daemon_and_podman_gets_the_limits_
 
 
 def test_build_script_passes_a_base_and_a_ca_bundle_for_the_build_only(tmp_path):
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    (fake / "podman").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/podman.log\n')
-    (fake / "podman").chmod(0o755)
+    fake = recording_stub(tmp_path, "podman")
     ca = tmp_path / "ca.pem"
     ca.write_text("")
     r = subprocess.run(

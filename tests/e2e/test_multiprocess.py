@@ -4,14 +4,9 @@ training, checkpoints and resume across processes run under SLURM in test_slurm_
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
-from conftest import REPO
-
-from maxtext_moe.run.distributed import free_port
+from conftest import run_processes
 
 pytestmark = pytest.mark.slow
 
@@ -27,38 +22,10 @@ SHRINK = [
 ]
 
 
-def _two(*args: str) -> list[subprocess.CompletedProcess]:
-    """`python -m maxtext_moe ARGS` as processes 0 and 1 of one job on loopback."""
-    port = free_port()
-    procs = []
-    for pid in range(2):
-        env = dict(
-            os.environ,
-            PYTHONUNBUFFERED="1",
-            JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-            JAX_NUM_PROCESSES="2",
-            JAX_PROCESS_ID=str(pid),
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "maxtext_moe", *args],
-                cwd=REPO,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    results = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=240)
-        results.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
-    return results
-
-
 def test_two_process_bench_reports_once(tmp_path):
     out = tmp_path / "bench.json"
-    results = _two(
+    results = run_processes(
+        2,
         "bench",
         "deepseek3-tiny-cpu",
         "--steps",
@@ -69,6 +36,7 @@ def test_two_process_bench_reports_once(tmp_path):
         str(out),
         *SHRINK,
         f"base_output_directory={tmp_path}",
+        timeout=240,
     )
     for i, r in enumerate(results):
         assert r.returncode == 0, f"process {i}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
@@ -84,7 +52,9 @@ def test_our_expert_parallelism_across_two_processes_trains_as_maxtexts_block(tm
     so the same losses. The same two-process layout trains on two H200s (docs/PERFORMANCE.md)."""
 
     def losses(name: str, *overrides: str) -> list[float]:
-        results = _two("train", *overrides, "steps=3", f"base_output_directory={tmp_path / name}")
+        results = run_processes(
+            2, "train", *overrides, "steps=3", f"base_output_directory={tmp_path / name}", timeout=240
+        )
         for i, r in enumerate(results):
             assert r.returncode == 0, f"{name} process {i}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
         run = tmp_path / name / "deepseek3-tiny-cpu"

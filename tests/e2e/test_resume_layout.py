@@ -7,7 +7,6 @@ loopback (one process per `topology.nodes`, `topology.gpus_per_node` CPU devices
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -16,10 +15,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import REPO, run_processes
 
 from maxtext_moe.run import data_position
-from maxtext_moe.run.distributed import free_port
 
 RUN = "deepseek3-tiny-cpu"
 # test_multiprocess.py's shrink with the process count left to each run: a global batch of 4 sequences of 64 tokens.
@@ -165,39 +163,10 @@ def test_a_grain_state_without_a_record_position_is_refused_in_one_line(tmp_path
 # -- real training processes -------------------------------------------------------------------------------------
 
 
-def _processes(n: int, *args: str) -> list[subprocess.CompletedProcess]:
-    """`python -m maxtext_moe ARGS` as processes 0..n-1 of one job on loopback."""
-    port = free_port()
-    procs = []
-    for pid in range(n):
-        env = dict(
-            os.environ,
-            PYTHONUNBUFFERED="1",
-            JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-            JAX_NUM_PROCESSES=str(n),
-            JAX_PROCESS_ID=str(pid),
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "maxtext_moe", *args],
-                cwd=REPO,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    results = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=400)
-        results.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
-    return results
-
-
 def _train(out: Path, layout: list[str], steps: int, *more: str) -> str:
     """Train on `layout` to `steps`; process 0's terminal output."""
     n = int(layout[0].split("=")[1])
-    results = _processes(n, "train", RUN, *layout, *SHRINK, f"steps={steps}", f"base_output_directory={out}", *more)
+    results = run_processes(n, "train", RUN, *layout, *SHRINK, f"steps={steps}", f"base_output_directory={out}", *more)
     for i, r in enumerate(results):
         assert r.returncode == 0, f"process {i}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return results[0].stdout
@@ -265,7 +234,7 @@ def test_two_processes_resume_on_four_with_expert_parallelism_and_back_with_the_
             timeout=120,
         )
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and words in r.stderr, r.stderr
-    other_model = _refused(_processes(2, "train", RUN, *TWO, *FSDP, *common, "num_experts=8"))
+    other_model = _refused(run_processes(2, "train", RUN, *TWO, *FSDP, *common, "num_experts=8"))
     assert "with another model shape (num_experts: 16 -> 8)" in other_model[0]
     assert (sorted((run / "checkpoints").iterdir()), (run / "metrics.jsonl").read_text()) == before
 
@@ -281,7 +250,7 @@ def test_two_processes_resume_on_four_with_expert_parallelism_and_back_with_the_
 
     # A data pipeline whose position cannot be re-sharded: one line from each process, before MaxText loads.
     before = sorted((run / "checkpoints").iterdir()), (run / "metrics.jsonl").read_text()
-    workers = _refused(_processes(2, "train", RUN, *TWO, *FSDP, *common, "grain_worker_count=1"))
+    workers = _refused(run_processes(2, "train", RUN, *TWO, *FSDP, *common, "grain_worker_count=1"))
     assert all(
         "the checkpoint at step 4 was written by 4 process(es), and its data position cannot be carried to 2: "
         "grain_worker_count is 1" in line
