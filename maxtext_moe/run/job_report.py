@@ -8,7 +8,6 @@ records (`run/task_supervisor.py`) and the heartbeats and verdicts of the watchd
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from maxtext_moe.run import run_dir, watchdog
@@ -17,14 +16,7 @@ STOPPED = (130, 143)  # a checkpoint at the next step, then out: Ctrl-C, SIGTERM
 
 
 def _exits(run: Path) -> dict[int, dict]:
-    out = {}
-    for path in (run / watchdog.PROCESSES).glob("process-*.exit.json"):
-        try:
-            record = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        out[int(record["process"])] = record
-    return out
+    return {int(e["process"]): e for e in watchdog.read_json(run, "exit-*.json")}
 
 
 def cause(run: Path) -> str:

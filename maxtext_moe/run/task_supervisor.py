@@ -5,7 +5,7 @@ and the Kubernetes pod script stop every other one, and the job's output then ho
 "ended" with nothing saying which one went first. JAX's coordination service knows, but only after its
 heartbeat timeout, and the launcher has killed everyone by then. The parent here, which imports no jax, starts
 `maxtext-moe train ...` again as its child, passes on every signal the launcher sends, and writes
-`<run>/processes/process-K.exit.json`: the child's status, and whether it ended by itself or on the
+`<run>/processes/exit-K.json`: the child's status, and whether it ended by itself or on the
 launcher's signal. `maxtext-moe report` reads those records after the job's attempt (`run/job_report.py`).
 """
 
@@ -26,7 +26,7 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signa
 
 
 def exit_path(run: Path, process: int) -> Path:
-    return run / watchdog.PROCESSES / f"process-{process}.exit.json"
+    return run / watchdog.PROCESSES / f"exit-{process}.json"
 
 
 def wanted(num_processes: int) -> bool:

@@ -59,15 +59,24 @@ def record_path(run: Path, process: int) -> Path:
     return run / PROCESSES / f"process-{process}.json"
 
 
-def read_records(run: Path) -> list[Record]:
-    """Every process's latest record, by process number; unreadable (half-written) files are skipped."""
-    records = []
-    for path in sorted((run / PROCESSES).glob("process-*.json")):
-        if path.name.count(".") != 1:
-            continue  # process-K.exit.json: the supervisor's
+def read_json(run: Path, pattern: str) -> list[dict]:
+    """The records in <run>/processes matching `pattern`; unreadable (half-written) files are skipped."""
+    out = []
+    for path in sorted((run / PROCESSES).glob(pattern)):
         try:
-            records.append(Record(**json.loads(path.read_text())))
-        except (OSError, ValueError, TypeError):
+            out.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def read_records(run: Path) -> list[Record]:
+    """Every process's latest heartbeat record, by process number."""
+    records = []
+    for data in read_json(run, "process-*.json"):
+        try:
+            records.append(Record(**data))
+        except TypeError:
             continue
     return sorted(records, key=lambda r: r.process)
 

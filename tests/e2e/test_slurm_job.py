@@ -193,7 +193,7 @@ def test_time_limit_warning_checkpoints_requeues_and_resumes(cluster, script, re
     assert "time limit near: every process saves a checkpoint at the next step" in out
     assert "maxtext-moe: stopped: every process saved a checkpoint" in out
     assert "requeued to resume" in out and "(restart count 1)" in out
-    exits = [json.loads(p.read_text()) for p in (run / "processes").glob("*.exit.json")]
+    exits = [json.loads(p.read_text()) for p in (run / "processes").glob("exit-*.json")]
     assert len(exits) == 4 and all(e["status"] == 0 for e in exits)
     resumed = [line for line in out.splitlines() if "resuming from step" in line]
     assert len(resumed) == 1, out[-3000:]

@@ -94,17 +94,17 @@ def test_report_names_the_process_that_ended_by_itself(tmp_path):
     for p, (status, by) in exits.items():
         how = "killed by SIGKILL" if status == -9 else f"exited with status {status}"
         watchdog.write_json(
-            tmp_path / "processes" / f"process-{p}.exit.json",
+            tmp_path / "processes" / f"exit-{p}.json",
             {"process": p, "host": f"n{p // 2 + 1}", "pid": 100 + p, "status": status, "how": how, "by": by,
              "signals": [], "time": now + p},
         )  # fmt: skip
     line = job_report.line(tmp_path)
     assert line.startswith("maxtext-moe: lost: process 2 on n2 (pid 102) killed by SIGKILL in step 5;")
     assert "no complete checkpoint yet" in line
-    (tmp_path / "processes" / "process-2.exit.json").unlink()  # its node went away with its supervisor
+    (tmp_path / "processes" / "exit-2.json").unlink()  # its node went away with its supervisor
     for p in (0, 1, 3):
-        (tmp_path / "processes" / f"process-{p}.exit.json").write_text(
-            (tmp_path / "processes" / f"process-{p}.exit.json").read_text().replace('"itself"', '"launcher"')
+        (tmp_path / "processes" / f"exit-{p}.json").write_text(
+            (tmp_path / "processes" / f"exit-{p}.json").read_text().replace('"itself"', '"launcher"')
         )
     assert "lost: process 2 on n2 (pid 102) left no exit record" in job_report.line(tmp_path)
 
