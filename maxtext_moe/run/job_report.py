@@ -15,15 +15,11 @@ from maxtext_moe.run import run_dir, watchdog
 STOPPED = (130, 143)  # a checkpoint at the next step, then out: Ctrl-C, SIGTERM
 
 
-def _exits(run: Path) -> dict[int, dict]:
-    return {int(e["process"]): e for e in watchdog.read_json(run, "exit-*.json")}
-
-
-def cause(run: Path) -> str:
-    """What ended the last attempt: a hung process (a watchdog's verdict), a process that ended by itself, a
-    process that left no record (its host went away), a stop on a signal, or a finished run."""
-    records = {r.process: r for r in watchdog.read_records(run)}
-    exits = _exits(run)
+def cause(run: Path, launch: str) -> str:
+    """What ended `launch`: a hung process (a watchdog's verdict), a process that ended by itself, a process that
+    left no record (its host went away), a stop on a signal, or a finished run."""
+    records = {r.process: r for r in watchdog.read_records(run, launch)}
+    exits = {int(e["process"]): e for e in watchdog.read_json(run, "exit-*.json", launch)}
     # The first thing that went wrong: a process that ended by itself (an error, a signal of its own), or a
     # watchdog's verdict on a silent process; what the launcher then did to the others follows from it.
     events = [
@@ -54,7 +50,8 @@ def cause(run: Path) -> str:
 
 
 def line(run: Path) -> str:
-    """`cause`, with the checkpoint a re-run resumes from."""
+    """`cause` of this launch (the job script's, whose variables name it), with the checkpoint a re-run resumes
+    from."""
     latest = run_dir.scan(run / "checkpoints").latest
     where = "no complete checkpoint yet" if latest is None else f"the last complete checkpoint is step {latest}"
-    return f"maxtext-moe: {cause(run)}; {where} in {run / 'checkpoints'}."
+    return f"maxtext-moe: {cause(run, watchdog.launch_id())}; {where} in {run / 'checkpoints'}."

@@ -72,6 +72,7 @@ def run(argv: list[str], run_dir: Path, process: int) -> int:
             "by": "launcher" if by_launcher else "itself",
             "signals": [signal.Signals(s).name for s in received],
             "time": time.time(),
+            "launch": watchdog.launch_id(),
         },
     )
     if status < 0:  # end as the child did, so that the launcher sees the same signal

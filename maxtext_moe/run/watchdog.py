@@ -10,6 +10,11 @@ ends it with SIGTERM), names the silent process from the others'
 records in one line, and exits with `STALLED` so that the launcher (`srun --kill-on-bad-exit`, the Kubernetes
 pod script) ends the job and its restart loop starts it again.
 
+Every record names its launch (`launch_id`): the SLURM job, its requeue count and the attempt within it. A run
+folder outlives its launches (a restart, a requeue, a job of another layout resuming it), and a record another
+launch left, such as process 3's after a job of four processes when two now run, says nothing of this one; the
+readers skip them.
+
 `MAXTEXT_MOE_FAULT=hang:process=K:step=N[:attempt=A]` makes process K stop before step N (of restart A of the
 job, `MAXTEXT_MOE_ATTEMPT`), while its heartbeat goes on: a rehearsal of a process that never arrives at a
 collective, for testing a cluster's fault handling before a real run meets one.
@@ -40,6 +45,13 @@ ATTEMPT_VAR = "MAXTEXT_MOE_ATTEMPT"
 LAUNCHED_VAR = "MAXTEXT_MOE_LAUNCHED"
 INTERVAL_S = 2.0
 SILENT_AFTER_S = 4 * INTERVAL_S  # a record older than this: the process (or its host) is not running
+LAUNCH_VARS = ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", ATTEMPT_VAR)
+
+
+def launch_id() -> str:
+    """This launch of the run: job/requeue/attempt from the launcher's variables ("-" for one it does not set).
+    The job script's shell, which runs `report`, and its processes see the same values."""
+    return "/".join(os.environ.get(v) or "-" for v in LAUNCH_VARS)
 
 
 @dataclass
@@ -53,27 +65,31 @@ class Record:
     updated: float
     launched: float | None = None  # when the launcher started this task (its supervisor), for time to first step
     verdict: str | None = None
+    launch: str = ""  # launch_id() of the process that wrote it
 
 
 def record_path(run: Path, process: int) -> Path:
     return run / PROCESSES / f"process-{process}.json"
 
 
-def read_json(run: Path, pattern: str) -> list[dict]:
-    """The records in <run>/processes matching `pattern`; unreadable (half-written) files are skipped."""
+def read_json(run: Path, pattern: str, launch: str) -> list[dict]:
+    """The records of `launch` in <run>/processes matching `pattern`; unreadable (half-written) files are
+    skipped."""
     out = []
     for path in sorted((run / PROCESSES).glob(pattern)):
         try:
-            out.append(json.loads(path.read_text()))
+            data = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
+        if isinstance(data, dict) and data.get("launch") == launch:
+            out.append(data)
     return out
 
 
-def read_records(run: Path) -> list[Record]:
-    """Every process's latest heartbeat record, by process number."""
+def read_records(run: Path, launch: str) -> list[Record]:
+    """Every process's latest heartbeat record of `launch`, by process number."""
     records = []
-    for data in read_json(run, "process-*.json"):
+    for data in read_json(run, "process-*.json", launch):
         try:
             records.append(Record(**data))
         except TypeError:
@@ -138,7 +154,9 @@ class Watchdog:
         self.hang_before = _fault(process, self.attempt)
         launched = float(os.environ.get(LAUNCHED_VAR, "0")) or None
         host = socket.gethostname()
-        self.record = Record(process, host, os.getpid(), self.attempt, None, None, time.time(), launched)
+        self.record = Record(
+            process, host, os.getpid(), self.attempt, None, None, time.time(), launched, launch=launch_id()
+        )
         self.started = time.time()
         self.slowest: float | None = None  # the slowest step seen, the first (compilation) left out
         self.first: int | None = None  # the first step this process ran
@@ -219,7 +237,7 @@ class Watchdog:
         )
         self._stacks.flush()
         faulthandler.dump_traceback(self._stacks, all_threads=True)
-        who, why = silent(read_records(self.run), time.time())
+        who, why = silent(read_records(self.run, r.launch), time.time())
         where = "no step started yet" if r.step is None else f"step {r.step} started {waited:.0f} s ago"
         named = f"process {who.process} on {who.host} (pid {who.pid}) is silent: {why}" if who else why
         how = "auto" if self.settings.watchdog_auto else "set"

@@ -50,7 +50,7 @@ def test_bad_job_values_name_the_key(override, message):
         (["deepseek3-671b-h200-128", "--nodes", "16", "--max-restarts", "-1"], "--max-restarts: must be 0 or more"),
         (["deepseek3-tiny-cpu", "--nodes", "3", "ici_fsdp_parallelism=2"], "does not fit 3 devices"),
         (["deepseek3-671b-h200-128", "--nodes", "16", "--tasks-per-node", "2"], "--tasks-per-node: is for CPU"),
-        (["deepseek3-671b-h200-128", "--nodes", "16", "--k8s", "--max-restarts", "2"], "--k8s: --max-restarts"),
+        (["deepseek3-671b-h200-128", "--nodes", "16", "--k8s", "--runtime", "venv"], "--k8s: --runtime and --venv"),
     ],
 )
 def test_launch_refuses_bad_job_options_in_one_line(args, message):
@@ -61,8 +61,10 @@ def test_launch_refuses_bad_job_options_in_one_line(args, message):
     assert r.stdout == ""
 
 
-def _record(process: int, step: int | None, age: float, now: float) -> watchdog.Record:
-    return watchdog.Record(process, f"n{process // 2 + 1}", 100 + process, 0, step, now - age - 1, now - age)
+def _record(process: int, step: int | None, age: float, now: float, launch: str = "") -> watchdog.Record:
+    return watchdog.Record(
+        process, f"n{process // 2 + 1}", 100 + process, 0, step, now - age - 1, now - age, launch=launch
+    )
 
 
 def test_the_silent_process_is_the_stale_one_else_the_one_behind():
@@ -86,27 +88,78 @@ def test_fault_injection_reads_its_variable(monkeypatch):
         watchdog._fault(3, 0)
 
 
-def test_report_names_the_process_that_ended_by_itself(tmp_path):
-    now = time.time()
-    for p in range(4):
-        watchdog.write_json(watchdog.record_path(tmp_path, p), vars(_record(p, 5, 1.0, now)))
-    exits = {0: (143, "launcher"), 1: (143, "launcher"), 2: (-9, "itself"), 3: (-15, "launcher")}
+LAUNCH = "7/-/1"  # job 7, never requeued, attempt 1
+
+
+def _heartbeats(run, now: float, launch: str, processes: int = 4, verdict: dict[int, float] | None = None) -> None:
+    """Every process at step 5; `verdict` maps a process to the time its watchdog fired."""
+    for p in range(processes):
+        r = _record(p, 5, 1.0, now, launch)
+        if p in (verdict or {}):
+            r.updated, r.verdict = verdict[p], f"maxtext-moe: watchdog: process {p} on n1 has made no progress."
+        watchdog.write_json(watchdog.record_path(run, p), vars(r))
+
+
+def _exits(run, now: float, launch: str, exits: dict[int, tuple[int, str]]) -> None:
+    """Each supervisor's record: process -> (status, who ended it); process p ended at now + p."""
     for p, (status, by) in exits.items():
         how = "killed by SIGKILL" if status == -9 else f"exited with status {status}"
         watchdog.write_json(
-            tmp_path / "processes" / f"exit-{p}.json",
+            run / "processes" / f"exit-{p}.json",
             {"process": p, "host": f"n{p // 2 + 1}", "pid": 100 + p, "status": status, "how": how, "by": by,
-             "signals": [], "time": now + p},
+             "signals": [], "time": now + p, "launch": launch},
         )  # fmt: skip
-    line = job_report.line(tmp_path)
+
+
+def _line(run, monkeypatch, launch: str = LAUNCH) -> str:
+    """`report` as the job script's shell runs it, with its launcher's variables."""
+    for var, value in zip(watchdog.LAUNCH_VARS, launch.split("/"), strict=True):
+        monkeypatch.setenv(var, value) if value != "-" else monkeypatch.delenv(var, raising=False)
+    return job_report.line(run)
+
+
+def test_report_names_the_process_that_ended_by_itself(tmp_path, monkeypatch):
+    now = time.time()
+    _heartbeats(tmp_path, now, LAUNCH)
+    _exits(tmp_path, now, LAUNCH, {0: (143, "launcher"), 1: (143, "launcher"), 2: (-9, "itself"), 3: (-15, "launcher")})
+    line = _line(tmp_path, monkeypatch)
     assert line.startswith("maxtext-moe: lost: process 2 on n2 (pid 102) killed by SIGKILL in step 5;")
     assert "no complete checkpoint yet" in line
     (tmp_path / "processes" / "exit-2.json").unlink()  # its node went away with its supervisor
-    for p in (0, 1, 3):
-        (tmp_path / "processes" / f"exit-{p}.json").write_text(
-            (tmp_path / "processes" / f"exit-{p}.json").read_text().replace('"itself"', '"launcher"')
-        )
-    assert "lost: process 2 on n2 (pid 102) left no exit record" in job_report.line(tmp_path)
+    _exits(tmp_path, now, LAUNCH, {0: (143, "launcher"), 1: (143, "launcher"), 3: (-15, "launcher")})
+    assert "lost: process 2 on n2 (pid 102) left no exit record" in _line(tmp_path, monkeypatch)
+
+
+@pytest.mark.parametrize(("verdict_at", "named"), [(-5.0, "hung: watchdog: process 1"), (5.0, "lost: process 2")])
+def test_report_names_whichever_went_wrong_first_a_verdict_or_a_process_ending_by_itself(
+    tmp_path, monkeypatch, verdict_at, named
+):
+    """A process that dies of its own error makes the others' collectives stall, and their watchdogs may fire
+    after it: the report names the first event, not the loudest."""
+    now = time.time()
+    _heartbeats(tmp_path, now, LAUNCH, verdict={1: now + verdict_at})
+    _exits(tmp_path, now, LAUNCH, {0: (143, "launcher"), 1: (3, "itself"), 2: (1, "itself"), 3: (143, "launcher")})
+    assert _line(tmp_path, monkeypatch).startswith(f"maxtext-moe: {named}")
+
+
+def test_report_reads_only_this_launchs_records(tmp_path, monkeypatch):
+    """A run folder resumed by a job of two processes still holds the records of the job of four before it, whose
+    process 3 was killed: the new job's report is about its own processes only."""
+    now = time.time()
+    before = "6/-/0"
+    _heartbeats(tmp_path, now - 600, before)
+    _exits(
+        tmp_path,
+        now - 600,
+        before,
+        {0: (143, "launcher"), 1: (143, "launcher"), 2: (143, "launcher"), 3: (-9, "itself")},
+    )
+    assert "lost: process 3" in _line(tmp_path, monkeypatch, before)
+    _heartbeats(tmp_path, now, LAUNCH, processes=2)
+    _exits(tmp_path, now, LAUNCH, {0: (143, "launcher"), 1: (143, "launcher")})
+    assert _line(tmp_path, monkeypatch).startswith("maxtext-moe: stopped: every process saved a checkpoint")
+    _exits(tmp_path, now, LAUNCH, {0: (0, "itself"), 1: (0, "itself")})
+    assert _line(tmp_path, monkeypatch).startswith("maxtext-moe: finished;")
 
 
 def test_the_step_hook_and_the_heartbeat_thread_write_one_record_without_tripping_on_each_other(tmp_path):
@@ -134,7 +187,7 @@ def test_the_step_hook_and_the_heartbeat_thread_write_one_record_without_trippin
     for t in threads:
         t.join()
     assert errors == []
-    assert watchdog.read_records(tmp_path)[0].step == 299
+    assert watchdog.read_records(tmp_path, watchdog.launch_id())[0].step == 299
 
 
 def test_a_sigterm_writes_this_processs_stacks_and_a_clean_exit_leaves_no_file(tmp_path):
