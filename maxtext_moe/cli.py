@@ -150,10 +150,9 @@ def cmd_doctor(a: argparse.Namespace) -> int:
 def cmd_launch(a: argparse.Namespace) -> int:
     from maxtext_moe.tools import launch
 
-    if a.k8s and (a.max_restarts is not None or a.runtime != "pyxis" or a.venv):
+    if a.k8s and (a.runtime != "pyxis" or a.venv):
         raise UserError(
-            "--max-restarts, --runtime and --venv are for --slurm: a Kubernetes Job fails whole on a lost or hung "
-            "process, and `kubectl replace --force -f job.yaml` resumes it (docs/CLUSTER.md).",
+            "--runtime and --venv are for --slurm: a Kubernetes pod runs the image's maxtext-moe.",
             key="--k8s",
             fix="leave them out with --k8s.",
         )
@@ -323,7 +322,8 @@ def parser() -> argparse.ArgumentParser:
     la.add_argument(
         "--max-restarts",
         type=int,
-        help="SLURM: restarts in the allocation after a lost or hung process (default: the recipe's job.max_restarts)",
+        help="restarts in place after a lost or hung process: in the allocation (SLURM), in the pods (Kubernetes); "
+        "default: the recipe's job.max_restarts",
     )
     la.add_argument("--tasks-per-node", type=int, help="CPU recipes: processes per node (default 1)")
     la.add_argument(

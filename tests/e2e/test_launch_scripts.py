@@ -82,8 +82,10 @@ def test_k8s_indexed_job_and_headless_service_agree():
 
 
 # A SIGTERM: the stand-in "saves" (SAVE_S seconds on odd process ids, none on even ones) and exits 143, as
-# `maxtext-moe train` does after the checkpoint; FAIL_ON_TERM makes that process fail instead.
+# `maxtext-moe train` does after the checkpoint; FAIL_ON_TERM makes that process fail instead. FAIL_ID fails
+# that process in every attempt, or only in attempts below FAIL_ATTEMPTS; the others wait for a peer that is gone.
 STAND_IN = """#!/bin/bash
+if [ "$1" = report ]; then echo "$MAXTEXT_MOE_ATTEMPT $*" >> "$OUT/report"; exit 0; fi
 on_term() {
   [ "$JAX_PROCESS_ID" = "${FAIL_ON_TERM:-}" ] && exit 5
   [ $((JAX_PROCESS_ID % 2)) = 1 ] && sleep "${SAVE_S:-0}"
@@ -91,9 +93,10 @@ on_term() {
 }
 [ -n "${TERM_TEST:-}" ] && trap on_term TERM
 echo "$JAX_PROCESS_ID ${JAX_LOCAL_DEVICE_IDS-none} $*" > "$OUT/$JAX_PROCESS_ID"
+echo "$MAXTEXT_MOE_ATTEMPT" >> "$OUT/attempts-$JAX_PROCESS_ID"
 if [ -n "${TERM_TEST:-}" ]; then sleep 60 & wait; exit 1; fi
-[ "$JAX_PROCESS_ID" = "${FAIL_ID:-}" ] && exit 3
-[ -n "${FAIL_ID:-}" ] && exec sleep 60
+[ "$JAX_PROCESS_ID" = "${FAIL_ID:-}" ] && [ "$MAXTEXT_MOE_ATTEMPT" -lt "${FAIL_ATTEMPTS:-99}" ] && exit 3
+[ -n "${FAIL_ID:-}" ] && [ "$MAXTEXT_MOE_ATTEMPT" -lt "${FAIL_ATTEMPTS:-99}" ] && exec sleep 60
 exit 0
 """
 
@@ -124,13 +127,40 @@ def test_k8s_pod_starts_one_process_per_gpu(tmp_path):
     seen = sorted((tmp_path / "out" / str(i)).read_text().split(maxsplit=2) for i in range(24, 32))
     assert [(p, d) for p, d, _ in seen] == [(str(24 + j), str(j)) for j in range(8)]
     assert {a.strip() for _, _, a in seen} == {f"train {RECIPE} topology.nodes=16 base_output_directory=/runs"}
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [str(i) for i in range(24, 32)]
+    assert sorted(p.name for p in (tmp_path / "out").glob("[0-9]*")) == [str(i) for i in range(24, 32)]
 
 
-def test_k8s_pod_stops_the_others_when_one_process_fails(tmp_path):
+def _attempts(tmp_path, process: int) -> list[int]:
+    return [int(a) for a in (tmp_path / "out" / f"attempts-{process}").read_text().split()]
+
+
+def test_k8s_pod_stops_the_others_when_one_process_fails_and_starts_them_again_up_to_max_restarts(tmp_path):
+    """Process 5 fails in every attempt: each time the pod ends the others at once (they wait for a peer that is
+    gone), pod 0 prints what ended the attempt, and the pod starts all eight again, 3 times (job.max_restarts);
+    then it fails with that status, which fails the Job."""
     start = time.monotonic()
     r = _run_pod(tmp_path, _k8s()[1], 0, FAIL_ID="5")
-    assert r.returncode == 3 and time.monotonic() - start < 20  # the others sleep 60 s unless killed
+    assert r.returncode == 3 and time.monotonic() - start < 30  # the others sleep 60 s unless killed
+    assert all(_attempts(tmp_path, p) == [0, 1, 2, 3] for p in range(8))
+    reports = (tmp_path / "out" / "report").read_text().splitlines()
+    assert reports == [f"{a} report {RECIPE} topology.nodes=16 base_output_directory=/runs" for a in range(4)]
+
+
+def test_k8s_pod_goes_on_after_a_failure_that_a_restart_mends(tmp_path):
+    """Process 17 (pod 2) fails in the first attempt only: the pod's second attempt trains to the end. Pods other
+    than pod 0 leave the report to it."""
+    r = _run_pod(tmp_path, _k8s("deepseek3-671b-h200-128", "job.max_restarts=1")[1], 2, FAIL_ID="17", FAIL_ATTEMPTS="1")
+    assert r.returncode == 0
+    assert all(_attempts(tmp_path, p) == [0, 1] for p in range(16, 24))
+    assert not (tmp_path / "out" / "report").exists()
+
+
+def test_k8s_pod_with_no_restarts_fails_at_the_first_failure(tmp_path):
+    job = yaml.safe_load_all(
+        launch.render(resolve(RECIPE, ["topology.nodes=16"]), "k8s", image="reg/mtm:1", max_restarts=0)
+    )
+    r = _run_pod(tmp_path, list(job)[1], 0, FAIL_ID="5")
+    assert r.returncode == 3 and _attempts(tmp_path, 5) == [0]
 
 
 def _terminate_pod(tmp_path, **env: str) -> int:
