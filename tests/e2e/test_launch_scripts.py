@@ -209,12 +209,17 @@ def test_k8s_grace_period_holds_a_step_and_a_checkpoint_save_of_the_671b_recipe(
     assert need_s < _k8s()[1]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == launch.K8S_GRACE_S
 
 
-def test_k8s_cpu_recipe_runs_one_process_per_pod(tmp_path):
-    _, job = _k8s("deepseek3-tiny-cpu", "ici_fsdp_parallelism=-1")
+def test_k8s_cpu_recipe_runs_one_process_per_pod_with_launchs_overrides(tmp_path):
+    """The recipe overrides given to `launch` reach every process, as they do under SLURM."""
+    overrides = ["ici_fsdp_parallelism=-1", "steps=7"]
+    text = launch.render(resolve("deepseek3-tiny-cpu", ["topology.nodes=16", *overrides]), "k8s", overrides=overrides)
+    job = list(yaml.safe_load_all(text))[1]
     env = {e["name"]: e["value"] for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["JAX_NUM_PROCESSES"] == "16"
     assert _run_pod(tmp_path, job, 2).returncode == 0
-    assert (tmp_path / "out" / "2").read_text().split()[:2] == ["2", "none"]  # every CPU device: no device ids
+    process, devices, args = (tmp_path / "out" / "2").read_text().split(maxsplit=2)
+    assert (process, devices) == ("2", "none")  # every CPU device: no device ids
+    assert args.split()[-2:] == overrides
 
 
 def test_cpu_recipe_renders_one_process_per_node_without_gpus():
