@@ -179,8 +179,9 @@ def cmd_report(a: argparse.Namespace) -> int:
     from maxtext_moe.run import job_report, train
 
     ref, overrides = _split_recipe(a.args)
-    print(job_report.line(train.run_paths(resolve(ref, overrides)).run))
-    return 0
+    text, repeats = job_report.line(train.run_paths(resolve(ref, overrides)).run)
+    print(text)
+    return job_report.USER_ERROR if repeats else 0
 
 
 def cmd_plan(a: argparse.Namespace) -> int:

@@ -81,11 +81,15 @@ while :; do
   wait "$$step"; rc=$$?
   while kill -0 "$$step" 2>/dev/null; do wait "$$step"; rc=$$?; done  # a trap ends wait early
   [ "$$rc" -eq 0 ] && { say "finished"; exit 0; }
-  "$${HERE[@]}" report "$${ARGS[@]}"
+  "$${HERE[@]}" report "$${ARGS[@]}"; verdict=$$?
   if [ "$$stop" = 1 ]; then
     say "stopped with a checkpoint; requeued to resume"
     scontrol requeue "$$SLURM_JOB_ID"
     exit 0
+  fi
+  if [ "$$verdict" -eq 2 ]; then
+    say "not restarting: a restart would end on the same error; fix it and sbatch again"
+    exit "$$rc"
   fi
   if [ "$$attempt" -ge "$$MAX_RESTARTS" ]; then
     say "giving up after $$attempt restart(s) (MAX_RESTARTS=$$MAX_RESTARTS); sbatch it again to resume"
@@ -205,6 +209,7 @@ spec:
               sleep 1
             done
             [ "$$failed" -eq 0 ] && exit $$stopped
+            [ "$$failed" -eq 2 ] && exit 2  # an error in the recipe, the data or the run folder: a restart repeats it
             [ "$$JOB_COMPLETION_INDEX" -eq 0 ] && maxtext-moe report "$${ARGS[@]}"
             if [ "$$stop" = 1 ] || [ "$$attempt" -ge "$$MAX_RESTARTS" ]; then exit $$failed; fi
             attempt=$$((attempt + 1))

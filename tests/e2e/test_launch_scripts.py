@@ -83,7 +83,8 @@ def test_k8s_indexed_job_and_headless_service_agree():
 
 # A SIGTERM: the stand-in "saves" (SAVE_S seconds on odd process ids, none on even ones) and exits 143, as
 # `maxtext-moe train` does after the checkpoint; FAIL_ON_TERM makes that process fail instead. FAIL_ID fails
-# that process in every attempt, or only in attempts below FAIL_ATTEMPTS; the others wait for a peer that is gone.
+# that process (status FAIL_STATUS, else 3) in every attempt, or only in attempts below FAIL_ATTEMPTS; the others
+# wait for a peer that is gone.
 STAND_IN = """#!/bin/bash
 if [ "$1" = report ]; then echo "$MAXTEXT_MOE_ATTEMPT $*" >> "$OUT/report"; exit 0; fi
 on_term() {
@@ -95,8 +96,10 @@ on_term() {
 echo "$JAX_PROCESS_ID ${JAX_LOCAL_DEVICE_IDS-none} $*" > "$OUT/$JAX_PROCESS_ID"
 echo "$MAXTEXT_MOE_ATTEMPT" >> "$OUT/attempts-$JAX_PROCESS_ID"
 if [ -n "${TERM_TEST:-}" ]; then sleep 60 & wait; exit 1; fi
-[ "$JAX_PROCESS_ID" = "${FAIL_ID:-}" ] && [ "$MAXTEXT_MOE_ATTEMPT" -lt "${FAIL_ATTEMPTS:-99}" ] && exit 3
-[ -n "${FAIL_ID:-}" ] && [ "$MAXTEXT_MOE_ATTEMPT" -lt "${FAIL_ATTEMPTS:-99}" ] && exec sleep 60
+if [ -n "${FAIL_ID:-}" ] && [ "$MAXTEXT_MOE_ATTEMPT" -lt "${FAIL_ATTEMPTS:-99}" ]; then
+  [ "$JAX_PROCESS_ID" = "$FAIL_ID" ] && exit "${FAIL_STATUS:-3}"
+  exec sleep 60
+fi
 exit 0
 """
 
@@ -152,6 +155,13 @@ def test_k8s_pod_goes_on_after_a_failure_that_a_restart_mends(tmp_path):
     r = _run_pod(tmp_path, _k8s("deepseek3-671b-h200-128", "job.max_restarts=1")[1], 2, FAIL_ID="17", FAIL_ATTEMPTS="1")
     assert r.returncode == 0
     assert all(_attempts(tmp_path, p) == [0, 1] for p in range(16, 24))
+    assert not (tmp_path / "out" / "report").exists()
+
+
+def test_k8s_pod_does_not_restart_an_error_in_the_recipe_data_or_run_folder(tmp_path):
+    """maxtext-moe's status 2: every restart would end on the same error."""
+    r = _run_pod(tmp_path, _k8s()[1], 0, FAIL_ID="5", FAIL_STATUS="2")
+    assert r.returncode == 2 and _attempts(tmp_path, 5) == [0]
     assert not (tmp_path / "out" / "report").exists()
 
 

@@ -111,11 +111,15 @@ def _exits(run, now: float, launch: str, exits: dict[int, tuple[int, str]]) -> N
         )  # fmt: skip
 
 
-def _line(run, monkeypatch, launch: str = LAUNCH) -> str:
+def _report(run, monkeypatch, launch: str = LAUNCH) -> tuple[str, bool]:
     """`report` as the job script's shell runs it, with its launcher's variables."""
     for var, value in zip(watchdog.LAUNCH_VARS, launch.split("/"), strict=True):
         monkeypatch.setenv(var, value) if value != "-" else monkeypatch.delenv(var, raising=False)
     return job_report.line(run)
+
+
+def _line(run, monkeypatch, launch: str = LAUNCH) -> str:
+    return _report(run, monkeypatch, launch)[0]
 
 
 def test_report_names_the_process_that_ended_by_itself(tmp_path, monkeypatch):
@@ -140,6 +144,19 @@ def test_report_names_whichever_went_wrong_first_a_verdict_or_a_process_ending_b
     _heartbeats(tmp_path, now, LAUNCH, verdict={1: now + verdict_at})
     _exits(tmp_path, now, LAUNCH, {0: (143, "launcher"), 1: (3, "itself"), 2: (1, "itself"), 3: (143, "launcher")})
     assert _line(tmp_path, monkeypatch).startswith(f"maxtext-moe: {named}")
+
+
+def test_report_says_a_restart_would_repeat_an_error_in_the_recipe_data_or_run_folder(tmp_path, monkeypatch):
+    """Process 0 refused the run folder (status 2, an error every restart meets again) before the others were
+    stopped: the job script is told not to restart. A crash of its own (status 1) is worth a restart."""
+    now = time.time()
+    _heartbeats(tmp_path, now, LAUNCH)
+    _exits(tmp_path, now, LAUNCH, {0: (2, "itself"), 1: (2, "itself"), 2: (143, "launcher"), 3: (143, "launcher")})
+    line, repeats = _report(tmp_path, monkeypatch)
+    assert repeats and line.startswith("maxtext-moe: lost: process 0 on n1 (pid 100) exited with status 2 in step 5")
+    assert "A restart would end the same way" in line
+    _exits(tmp_path, now, LAUNCH, {0: (1, "itself")})
+    assert _report(tmp_path, monkeypatch) == (_line(tmp_path, monkeypatch), False)
 
 
 def test_report_reads_only_this_launchs_records(tmp_path, monkeypatch):
