@@ -14,6 +14,7 @@ Names (the per-layer scalars are `moe/<name>/<layer>`):
   top_share      the busiest expert's share of all (token, expert) copies (1/E when balanced)
   dropped        (token, expert) copies the experts did not compute (0 in a dropless layer)
   bias_min, bias_max, bias_mean_abs   the aux-loss-free selection bias the layer routed with
+  seq_balance_loss   the layer's sequence-wise balance loss, weighted (`sequence_balance_loss`; only when on)
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 LOAD_STATS = ("tokens_max", "tokens_mean", "top_share")
 DROPPED = "dropped"
 BIAS_STATS = ("bias_min", "bias_max", "bias_mean_abs")
+SEQ_BALANCE_LOSS = "seq_balance_loss"
 
 
 def load_stats(counts: jax.Array) -> dict[str, jax.Array]:
@@ -46,3 +48,28 @@ def bias_stats(bias: jax.Array) -> dict[str, jax.Array]:
     """Min, max and mean magnitude of a selection bias [E], float32 scalars."""
     b = bias.astype(jnp.float32)
     return {"bias_min": jnp.min(b), "bias_max": jnp.max(b), "bias_mean_abs": jnp.mean(jnp.abs(b))}
+
+
+def sequence_balance_loss(scores: jax.Array, indices: jax.Array, weight: float) -> jax.Array:
+    """DeepSeek-V3's complementary sequence-wise balance loss (paper section 2.1.2, eqs. 17-20) of one layer:
+    `weight` (the paper's alpha) times the loss of each sequence, averaged over the batch's sequences; a
+    float32 scalar, differentiable in `scores`.
+
+    scores   [B, S, E] the router's sigmoid affinities s_{i,t}, without the selection bias
+    indices  [B, S, K] the experts each token was sent to (the bias-adjusted, group-limited selection)
+
+    Per sequence of S tokens: f_i = E / (K S) * (copies sent to expert i), from `indices` and not
+    differentiated; P_i = mean over t of s_{i,t} / sum_j s_{j,t}; loss = sum_i f_i P_i (1 when the copies or
+    the affinities are spread evenly over the experts). Why our own: MaxText's `megatron_seq_aux_loss` takes
+    f_i from a fresh top-k of the unbiased scores over all experts (Megatron-LM's reading of eq. 18), not from
+    the experts our layer dispatched to, and it lives on MaxText's router, which our layer replaces.
+
+    Written on whole [B, S, ...] arrays, so the sums over a sequence are over the global sequence axis
+    whatever the sharding: batch-sharded, sequence-sharded or on one device, the value is the same.
+    """
+    num_experts, top_k, seq = scores.shape[-1], indices.shape[-1], scores.shape[1]
+    s = scores.astype(jnp.float32)
+    probs = jnp.mean(s / jnp.sum(s, axis=-1, keepdims=True), axis=1)  # P, [B, E]
+    copies = jax.vmap(lambda idx: jnp.bincount(idx.reshape(-1), length=num_experts))(indices)  # [B, E]
+    fraction = copies.astype(jnp.float32) * (num_experts / (top_k * seq))  # f, [B, E]
+    return weight * jnp.mean(jnp.sum(fraction * probs, axis=-1))

@@ -9,6 +9,7 @@ its types (`Backend`, `Fp8`, `Impl`) from here.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal, Protocol, get_args
@@ -41,6 +42,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "exchange": get_args(Exchange),
     "dispatch_chunks": (1, 2, 4),
 }
+SEQ_BALANCE = "seq_balance_loss_weight"  # the one field that is a number, not a choice
 
 
 class HardwareKind(Protocol):
@@ -67,7 +69,9 @@ class MoeSettings:
     the other fields then do not apply) or ours, with its grouped-GEMM `gemm` backend, TE's grouped-GEMM
     path, FP8 expert GEMMs (TE's per-tensor current scaling on Hopper and later, or MXFP8 on Blackwell) and
     the EP `exchange`, and how many chunks each rank's tokens are dispatched in (`dispatch_chunks`: one
-    chunk's exchange can run beside another's expert GEMMs)."""
+    chunk's exchange can run beside another's expert GEMMs). `seq_balance_loss_weight` is DeepSeek-V3's alpha
+    for its sequence-wise balance loss (`balance.sequence_balance_loss`), 0 for none: MaxText's own
+    `load_balance_loss_weight` weighs a different loss, on its own router."""
 
     impl: Block = "maxtext"
     gemm: Backend = "ragged_dot"
@@ -75,6 +79,7 @@ class MoeSettings:
     fp8: Fp8 = "none"
     exchange: Exchange = "auto"
     dispatch_chunks: int = 1
+    seq_balance_loss_weight: float = 0.0
 
     @property
     def ours(self) -> bool:
@@ -109,17 +114,20 @@ class MoeSettings:
         """The checked settings of a recipe's `moe:` section on hardware `hw`; a `UserError` names the key,
         the file that set it and the fix."""
         for key, v in section.items():
-            if v.value not in CHOICES[key]:
+            if key in CHOICES and v.value not in CHOICES[key]:
                 raise UserError(
                     f"must be one of {', '.join(map(str, CHOICES[key]))}, got {v.value!r}.",
                     key=f"moe.{key}",
                     source=v.source,
                 )
+        weight = _loss_weight(section[SEQ_BALANCE]) if SEQ_BALANCE in section else cls.seq_balance_loss_weight
         impl = section["impl"].value if "impl" in section else "maxtext"
         if impl == "maxtext":
             # An explicit `impl: maxtext` (say, a command-line override of a recipe using ours) drops our
-            # block's settings; setting them with no impl at all is a mistake worth a message.
-            extra = next((k for k in section if k != "impl"), None)
+            # block's settings; setting them with no impl at all is a mistake worth a message. The balance
+            # loss weight is the model's (a model fragment pins DeepSeek-V3's), so MaxText's block runs
+            # without it rather than refuse the model.
+            extra = next((k for k in section if k not in ("impl", SEQ_BALANCE)), None)
             exchange = section.get("exchange")
             if "impl" not in section and exchange is not None and exchange.value == "nccl_ep":
                 raise UserError(
@@ -138,7 +146,7 @@ class MoeSettings:
                     fix="set moe.impl: ours, or remove it.",
                 )
             return cls(impl="maxtext")
-        value = {k: v.value for k, v in section.items()}
+        value = {k: v.value for k, v in section.items()} | {SEQ_BALANCE: weight}
         settings = cls(**(value | {"gemm": value.get("gemm", cls.default_gemm(hw))}))
         settings.check(hw, {k: v.source for k, v in section.items()})
         return settings
@@ -205,6 +213,28 @@ class MoeSettings:
                 source=sources.get("fp8"),
                 fix="set moe.fp8: none, or moe.exchange: auto.",
             )
+
+
+FIELDS: tuple[str, ...] = tuple(f.name for f in fields(MoeSettings))  # the `moe:` section's keys
+
+
+def _loss_weight(v: Sourced) -> float:
+    """`moe.seq_balance_loss_weight` as a float >= 0; text such as `1e-4` (which YAML 1.1 and the command line
+    leave a string) is read as the number it writes."""
+    value = v.value
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise UserError(
+            f"must be a number >= 0 (DeepSeek-V3's alpha, 0 for no sequence-wise balance loss), got {v.value!r}.",
+            key=f"moe.{SEQ_BALANCE}",
+            source=v.source,
+            fix="write a weight such as 0.0001 (DeepSeek-V3's), or 0 to leave the loss out.",
+        )
+    return float(value)
 
 
 @dataclass(frozen=True)

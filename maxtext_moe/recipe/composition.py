@@ -53,7 +53,7 @@ SECTIONS = (
 )
 TOPOLOGY_FIELDS = ("hardware", "nodes", "gpus_per_node")
 CORPUS_FIELDS = ("source", "max_mib", "shards")
-MOE_FIELDS = tuple(settings.CHOICES)
+MOE_FIELDS = settings.FIELDS
 ATTENTION_FIELDS = ("residuals",)
 # sections with fixed fields
 FIELDS = {

@@ -11,12 +11,14 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from maxtext_moe.errors import UserError
-from maxtext_moe.moe.settings import MoeSettings, Sourced
+from maxtext_moe.moe.settings import SEQ_BALANCE, MoeSettings, Sourced
 from maxtext_moe.recipe.resolved import Topology
 
 
 class Checker(Protocol):
     """What these checks use of `validate._Checker`: a MaxText key's value, and a failure naming its file."""
+
+    maxtext: dict[str, Any]  # the MaxText keys the recipe sets
 
     def value(self, key: str) -> Any: ...
 
@@ -92,7 +94,39 @@ def settings(section: Mapping[str, Sourced], check: Checker, topo: Topology) -> 
         )
     if settings.exchange == "nccl_ep":
         _nccl_ep(section, check, topo, expert_parallel, split)
+    if settings.seq_balance_loss_weight > 0:
+        _sequence_balance(f"{settings.seq_balance_loss_weight} ({section[SEQ_BALANCE].source})", check)
     return settings
+
+
+def _sequence_balance(weight: str, check: Checker) -> None:
+    """What our sequence-wise balance loss cannot run beside: MaxText's own balance loss on the same layers
+    (two balance losses, one of them on a router ours replaces), and MaxText's step averaging the layers'
+    losses where DeepSeek-V3 adds them (`maxtext_keys`). `weight`: its value and where it was set."""
+    if check.value("load_balance_loss_weight") > 0:
+        check.fail(
+            "load_balance_loss_weight",
+            f"is {check.value('load_balance_loss_weight')}, and moe.seq_balance_loss_weight is {weight}: each adds "
+            "a balance loss to every MoE layer.",
+            "keep one: set load_balance_loss_weight: 0 for DeepSeek-V3's sequence-wise loss, or "
+            "moe.seq_balance_loss_weight: 0 for MaxText's.",
+        )
+    if check.value("moe_use_megatron_seq_aux_loss") is False and "moe_use_megatron_seq_aux_loss" in check.maxtext:
+        check.fail(
+            "moe_use_megatron_seq_aux_loss",
+            f"is false, but moe.seq_balance_loss_weight is {weight}, and MaxText's step adds "
+            "the MoE layers' losses, as DeepSeek-V3 does, only with it on (otherwise it averages them).",
+            "remove moe_use_megatron_seq_aux_loss: maxtext-moe sets it.",
+        )
+
+
+def maxtext_keys(settings: MoeSettings) -> dict[str, Any]:
+    """MaxText keys that carry out the `moe` section. With a sequence-wise balance loss, each of our layers sows
+    it as `moe_lb_loss`, which MaxText's `loss_fn` adds to the loss: summed over the MoE layers (decoder and
+    MTP, as DeepSeek-V3 and Megatron-LM add each layer's) under `moe_use_megatron_seq_aux_loss`, averaged
+    without. The key changes nothing else while `load_balance_loss_weight` is 0, which `_sequence_balance`
+    requires."""
+    return {"moe_use_megatron_seq_aux_loss": True} if settings.seq_balance_loss_weight > 0 else {}
 
 
 def _nccl_ep(

@@ -267,9 +267,15 @@ def resolve(comp: Composition) -> ResolvedRecipe:
         maxtext["grain_train_files"] = corpus_files.file_pattern(corpus_files.default_dir(out))
         sources["maxtext.grain_train_files"] = f"derived from the corpus section ({sources.get('corpus.source')})"
     prepared.resolve_train_files(maxtext, sources)
-    moe = moe_checks.settings(comp.sections["moe"], check, topo).to_dict()
+    moe_settings = moe_checks.settings(comp.sections["moe"], check, topo)
+    moe = moe_settings.to_dict()
     for key in moe:
         sources.setdefault(f"moe.{key}", f"default for {hw.name}" if key == "gemm" else "default")
+    for key, value in moe_checks.maxtext_keys(moe_settings).items():
+        maxtext[key] = value
+        sources[f"maxtext.{key}"] = (
+            f"derived from moe.seq_balance_loss_weight ({sources['moe.seq_balance_loss_weight']})"
+        )
     attention = _attention(comp, check)
     for key in attention:
         sources.setdefault(f"attention.{key}", "default")

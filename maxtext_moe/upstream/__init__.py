@@ -3,8 +3,9 @@
 Each module names the gap it fills. `SYMBOLS` lists what they touch, so that one test
 (tests/unit/test_upstream.py) checks each still exists in the pinned versions before anything else breaks:
 
-- `deepseek_layer`: rebinds `maxtext.models.deepseek.DeepSeekMoELayer` to run our routed experts, and reads
-  `RoutedMoE`'s mesh helpers and loss functions.
+- `deepseek_layer`: rebinds `maxtext.models.deepseek.DeepSeekMoELayer` to run our routed experts, reads
+  `RoutedMoE`'s mesh helpers and loss functions, and sows a sequence-wise balance loss as `moe_lb_loss`, which
+  `train.loss_fn` adds to the loss (summed over layers under `uses_megatron_seq_aux_loss`).
 - `balance_metrics`: per-layer MoE load balance in the step metrics: wraps `train.train_step`, rebinds
   `train.record_activation_metrics`, and for MaxText's own block rebinds `DeepSeekMoELayer` to a subclass
   that re-runs its gate and `RoutedMoE.get_topk`.
@@ -50,6 +51,7 @@ SYMBOLS: tuple[tuple[str, str, str], ...] = (
     ("maxtext", "maxtext.layers.moe", "RoutedMoE.megatron_seq_aux_loss"),
     ("maxtext", "maxtext.layers.moe", "RoutedAndSharedMoE"),
     ("maxtext", "maxtext.layers.moe", "uses_megatron_seq_aux_loss"),
+    ("maxtext", "maxtext.trainers.pre_train.train", "loss_fn"),
     ("maxtext", "maxtext.layers.moe", "load_balance_updates_from_counts"),
     ("maxtext", "maxtext.layers.nnx_decoders", "NNXDecoder.get_remat_policy"),
     ("maxtext", "maxtext.optimizers.optimizers", "skip_step_on_spikes"),

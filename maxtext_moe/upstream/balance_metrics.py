@@ -42,11 +42,20 @@ _MTP = re.compile(r"mtp_layer_(\d+)")
 _MOE_STACK = re.compile(r"moe_layers(?:_(\d+))?")  # scanned ("moe_layers") or unrolled ("moe_layers_3")
 
 
-def sow(layer: nnx.Module, counts: jax.Array, dropped: jax.Array | None, bias: jax.Array | None) -> None:
-    """Sow one MoE layer's load, drop count (when the layer measured it) and selection-bias statistics."""
+def sow(
+    layer: nnx.Module,
+    counts: jax.Array,
+    dropped: jax.Array | None,
+    bias: jax.Array | None,
+    seq_loss: jax.Array | None = None,
+) -> None:
+    """Sow one MoE layer's load, drop count (when the layer measured it), selection-bias statistics and its
+    weighted sequence-wise balance loss (when it computes one: its share of MaxText's `learning/moe_lb_loss`)."""
     stats = balance.load_stats(counts)
     if dropped is not None:
         stats[balance.DROPPED] = dropped
+    if seq_loss is not None:
+        stats[balance.SEQ_BALANCE_LOSS] = seq_loss
     if bias is not None:
         stats |= balance.bias_stats(bias)
     for name, value in stats.items():

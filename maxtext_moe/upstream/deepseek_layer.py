@@ -21,7 +21,10 @@ backend) on the block's own variables; the shared expert stays
 MaxText's `MlpBlock`. What MaxText's loop reads from the block comes out as before: the output, the
 load-balance loss (MaxText's own loss functions, fed our routing) and the aux-loss-free bias update
 (MaxText's `load_balance_updates_from_counts` on our expert counts; the loop adds it to the gate bias). It
-also sows its load balance (`balance_metrics.sow`), with the copies its grouped GEMMs did not reach.
+also sows its load balance (`balance_metrics.sow`), with the copies its grouped GEMMs did not reach, and,
+with `moe.seq_balance_loss_weight`, DeepSeek-V3's sequence-wise balance loss as MaxText's `moe_lb_loss`,
+which MaxText's step adds to the loss (MaxText computes that loss only on its own router, with another
+top-k).
 
 Expert parallelism: when MaxText's mesh has an `expert` axis of size > 1, the routed experts run through
 `expert_parallel.ep_routed_sharded` under `shard_map` over MaxText's own mesh, sharded as MaxText's
@@ -51,7 +54,7 @@ from maxtext.layers import moe as mt_moe
 from maxtext.models import deepseek
 
 from maxtext_moe.errors import UserError
-from maxtext_moe.moe import expert_parallel, gemm
+from maxtext_moe.moe import balance, expert_parallel, gemm
 from maxtext_moe.moe.backward_order import weight_grads_first
 from maxtext_moe.moe.layer import MoEConfig, Params, gate_logits, routed_experts
 from maxtext_moe.moe.routing import Routing, RoutingConfig
@@ -174,7 +177,11 @@ class OurDeepSeekMoELayer(deepseek.DeepSeekMoELayer):
             x, intermediate_sharding=self.mlp_intermediate_sharding, out_sharding=self.out_sharding
         )
         out = routed.astype(mt.dtype).reshape(x.shape) + shared
-        balance_metrics.sow(self, routing.counts, routing.dropped, params["gate"]["bias"] if has_bias else None)
+        seq_loss = _sequence_balance_loss(params, tokens, x.shape, routing, self.settings.seq_balance_loss_weight)
+        if seq_loss is not None:
+            self.sow(nnx.Intermediate, "moe_lb_loss", seq_loss)  # MaxText's loss_fn adds it (moe_checks.maxtext_keys)
+        bias = params["gate"]["bias"] if has_bias else None
+        balance_metrics.sow(self, routing.counts, routing.dropped, bias, seq_loss)
         return (
             self.with_logical_constraint(out),
             _load_balance_loss(block.MoeBlock_0, params, tokens, x.shape, routing),
@@ -247,6 +254,21 @@ def _load_balance_loss(
         return routed.megatron_seq_aux_loss(scores)
     probs = jax.nn.softmax(scores, axis=-1).astype(routed.dtype)
     return routed.load_balance_loss(routing.indices.reshape(batch, seq, -1), probs)
+
+
+def _sequence_balance_loss(
+    params: Params, tokens: jax.Array, shape: tuple[int, ...], routing: Routing, weight: float
+) -> jax.Array | None:
+    """DeepSeek-V3's sequence-wise balance loss of this layer on the experts it dispatched to
+    (`balance.sequence_balance_loss`), or None when `moe.seq_balance_loss_weight` is 0. The unbiased scores are
+    the gate's, recomputed from its kernel as `_load_balance_loss` does, outside any expert-parallel shard_map:
+    the per-sequence sums run over whole sequences however the tokens are sharded, and the gradient reaches
+    the gate kernel."""
+    if weight <= 0.0:
+        return None
+    batch, seq = shape[0], shape[1]
+    scores = jax.nn.sigmoid(gate_logits(tokens, params["gate"]["kernel"])).reshape(batch, seq, -1)
+    return balance.sequence_balance_loss(scores, routing.indices.reshape(batch, seq, -1), weight)
 
 
 def _bias_update(config: Any, routing: Routing) -> jax.Array | None:

@@ -4,7 +4,8 @@ MaxText's block, reads and writes the same checkpoints, and keeps the aux-loss-f
 Three MaxText processes (about 20 s each here): a straight run with MaxText's block, the same run with
 ours, and ours resuming MaxText's checkpoint. All use the float32 tiny recipe with the same seed and
 the same Grain data, and `load_balance_loss_weight=0.01` so that the load-balance loss our layer feeds
-to MaxText is part of the compared loss.
+to MaxText is part of the compared loss. One more, two steps of ours, trains with DeepSeek-V3's sequence-wise
+balance loss in place of MaxText's.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import read_metrics, run_cli
+from conftest import read_metrics, run_cli, tensorboard_scalars
 
 from maxtext_moe.cli import resolve
 from maxtext_moe.moe import balance
@@ -146,6 +147,7 @@ def test_both_blocks_report_the_same_load_balance(runs):
                 assert ours[step][key] == mt[step][key], (step, key, ours[step][key], mt[step][key])
         assert [ours[step][f"moe/dropped/{layer}"] for layer in LAYERS] == [0.0] * len(LAYERS)
         assert not any(k.startswith("moe/dropped/") for k in mt[step])  # MaxText's block does not say
+        assert not any(k.startswith("moe/seq_balance_loss/") for k in ours[step])  # its weight is 0 here
     last = ours[STEPS - 1]
     ratio, worst = max((last[f"moe/tokens_max/{x}"] / last[f"moe/tokens_mean/{x}"], x) for x in LAYERS)
     name = "MTP1" if worst == "mtp_1" else f"L{int(worst[-3:])}"
@@ -154,6 +156,29 @@ def test_both_blocks_report_the_same_load_balance(runs):
         f"step     {STEPS}/{STEPS} | loss {last['learning/loss']:.4f} | imb {ratio:.2f}x {name} | "
         in (runs["ours"] / "terminal.txt").read_text()
     )
+
+
+def test_sequence_balance_loss_is_reported_per_layer_and_added_to_the_loss(tmp_path):
+    """`moe.seq_balance_loss_weight`: every MoE layer (decoder and MTP) reports its weighted loss, about alpha
+    (each sequence's sum_i f_i P_i is near 1); MaxText's `learning/moe_lb_loss` is their sum, and it is part
+    of the loss the step differentiates. Two steps of its own run."""
+    alpha, steps = 0.0001, 2
+    out = tmp_path / "seq-balance"
+    _train(out, "moe.impl=ours", f"steps={steps}", "load_balance_loss_weight=0", f"moe.seq_balance_loss_weight={alpha}")
+    metrics = read_metrics(out / RUN)
+    assert sorted(metrics) == list(range(steps))
+    for step, m in metrics.items():
+        layers = [m[f"moe/seq_balance_loss/{x}"] for x in LAYERS]
+        assert all(0.5 * alpha < v < 2 * alpha for v in layers), (step, layers)
+        assert m["learning/moe_lb_loss"] == pytest.approx(sum(layers), rel=1e-6), (step, m)
+        parts = m["learning/lm_loss"] + m["learning/mtp_loss"] + m["learning/moe_lb_loss"]
+        assert m["learning/loss"] == pytest.approx(parts, rel=1e-6, abs=0), (step, m)
+    assert len({metrics[0][f"moe/seq_balance_loss/{x}"] for x in LAYERS}) == len(LAYERS)  # per layer
+    events = list((out / RUN / "tensorboard").rglob("events.out.tfevents.*"))
+    board = tensorboard_scalars(events[0])
+    for x in LAYERS:
+        key = f"moe/seq_balance_loss/{x}"
+        assert board[key] == pytest.approx({step: m[key] for step, m in metrics.items()}, rel=1e-6), key
 
 
 def test_bias_statistics_are_the_bias_each_step_routed_with(runs):

@@ -257,6 +257,7 @@ def test_moe_section_defaults_and_checks():
         "fp8": "none",
         "exchange": "auto",
         "dispatch_chunks": 1,
+        "seq_balance_loss_weight": 0.0,
     }
     assert r.attention == {"residuals": "recompute"}
     assert r.sources["moe.gemm"] == "default for cpu"
@@ -301,6 +302,47 @@ def test_moe_section_defaults_and_checks():
     assert compose_resolve("deepseek3-proxy-h200-1gpu", "moe.impl=maxtext").moe == {"impl": "maxtext"}
     gpu = compose_resolve(TINY, "moe.impl=ours", "topology.hardware=h200", "topology.gpus_per_node=1")
     assert gpu.moe["gemm"] == "te"
+
+
+def test_sequence_balance_loss_weight(tmp_path):
+    """DeepSeek-V3's alpha: a number >= 0 (text such as 1e-4 read as one), refused beside MaxText's own balance
+    loss, and it makes MaxText's step add the layers' losses; MaxText's block runs the model without it."""
+    r = compose_resolve(TINY, "moe.impl=ours", "moe.seq_balance_loss_weight=1e-4")
+    assert r.moe["seq_balance_loss_weight"] == 0.0001 and r.maxtext["moe_use_megatron_seq_aux_loss"] is True
+    assert r.sources["maxtext.moe_use_megatron_seq_aux_loss"] == (
+        "derived from moe.seq_balance_loss_weight (command line)"
+    )
+    off = compose_resolve(TINY, "moe.impl=ours", "moe.seq_balance_loss_weight=0")
+    assert off.moe["seq_balance_loss_weight"] == 0.0 and "moe_use_megatron_seq_aux_loss" not in off.maxtext
+    for bad in ("-0.1", "abc", "true", ".nan"):
+        message = error_of(TINY, "moe.impl=ours", f"moe.seq_balance_loss_weight={bad}")
+        assert message.startswith("command line: moe.seq_balance_loss_weight: must be a number >= 0"), message
+        assert "Fix: write a weight such as 0.0001" in message and "\n" not in message
+    recipe = tmp_path / "bad.yml"
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "include": ["base/maxtext-moe", "model/deepseek3-tiny", "hardware/cpu", "parallelism/single-device"],
+                "moe": {"impl": "ours", "seq_balance_loss_weight": -1},
+            }
+        )
+    )
+    message = error_of(recipe)
+    assert "bad.yml: moe.seq_balance_loss_weight: must be a number >= 0" in message and "got -1." in message
+    both = error_of(TINY, "moe.impl=ours", "moe.seq_balance_loss_weight=0.0001", "load_balance_loss_weight=0.01")
+    assert both.startswith(
+        "command line: load_balance_loss_weight: is 0.01, and moe.seq_balance_loss_weight is 0.0001 (command line)"
+    )
+    assert "Fix: keep one" in both and "\n" not in both
+    summed = error_of(TINY, "moe.impl=ours", "moe.seq_balance_loss_weight=1e-4", "moe_use_megatron_seq_aux_loss=false")
+    assert "moe_use_megatron_seq_aux_loss: is false, but moe.seq_balance_loss_weight is 0.0001" in summed
+    # The 671B model fragment pins it; MaxText's block (the FSDP proxy, or moe.impl=maxtext) runs without it.
+    for maxtexts in (
+        compose_resolve("deepseek3-proxy-h200-2gpu-fsdp"),
+        compose_resolve(TINY, "moe.seq_balance_loss_weight=1"),
+    ):
+        assert maxtexts.moe == {"impl": "maxtext"} and "moe_use_megatron_seq_aux_loss" not in maxtexts.maxtext
+    assert compose_resolve("deepseek3-proxy-h200-1gpu").moe["seq_balance_loss_weight"] == 0.0001
 
 
 def test_moe_fp8_needs_te_and_fp8_hardware():

@@ -73,6 +73,11 @@ def test_671b_recipes_train_deepseek_v3_as_trained_on_our_block(name: str, fp8: 
     assert e("te_moe_block") is False
     assert (r.moe["impl"], r.moe["gemm"], r.moe["fp8"]) == ("ours", "te", fp8)
     assert r.effective("ici_expert_parallelism") == 8
+    # DeepSeek-V3's sequence-wise balance loss, alpha 0.0001, summed over the MoE layers; no batch-wise loss.
+    assert r.moe["seq_balance_loss_weight"] == 0.0001 and r.sources["moe.seq_balance_loss_weight"] == (
+        "configs/model/deepseek3-671b-full.yml"
+    )
+    assert (e("moe_use_megatron_seq_aux_loss"), e("load_balance_loss_weight")) == (True, 0.0)
 
 
 def test_te_block_still_refuses_the_bias_update() -> None:
