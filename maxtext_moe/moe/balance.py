@@ -50,26 +50,27 @@ def bias_stats(bias: jax.Array) -> dict[str, jax.Array]:
     return {"bias_min": jnp.min(b), "bias_max": jnp.max(b), "bias_mean_abs": jnp.mean(jnp.abs(b))}
 
 
-def sequence_balance_loss(scores: jax.Array, indices: jax.Array, weight: float) -> jax.Array:
+def sequence_balance_loss(scores: jax.Array, top_k: int, weight: float) -> jax.Array:
     """DeepSeek-V3's complementary sequence-wise balance loss (paper section 2.1.2, eqs. 17-20) of one layer:
     `weight` (the paper's alpha) times the loss of each sequence, averaged over the batch's sequences; a
     float32 scalar, differentiable in `scores`.
 
     scores   [B, S, E] the router's sigmoid affinities s_{i,t}, without the selection bias
-    indices  [B, S, K] the experts each token was sent to (the bias-adjusted, group-limited selection)
 
-    Per sequence of S tokens: f_i = E / (K S) * (copies sent to expert i), from `indices` and not
-    differentiated; P_i = mean over t of s_{i,t} / sum_j s_{j,t}; loss = sum_i f_i P_i (1 when the copies or
-    the affinities are spread evenly over the experts). Why our own: MaxText's `megatron_seq_aux_loss` takes
-    f_i from a fresh top-k of the unbiased scores over all experts (Megatron-LM's reading of eq. 18), not from
-    the experts our layer dispatched to, and it lives on MaxText's router, which our layer replaces.
+    Per sequence of S tokens: f_i = E / (K S) * (tokens whose top-K affinities hold expert i), not
+    differentiated; P_i = mean over t of s_{i,t} / sum_j s_{j,t}; loss = sum_i f_i P_i (1 when the top-K sets or
+    the affinities are spread evenly over the experts). The top-K is eq. 18's: of the affinities alone, over
+    all experts. The experts a token is sent to differ (the selection adds the bias and the group limit); the
+    paper counts the former, and so does this. Why our own: MaxText's `megatron_seq_aux_loss` lives on
+    MaxText's router, which our layer replaces.
 
     Written on whole [B, S, ...] arrays, so the sums over a sequence are over the global sequence axis
     whatever the sharding: batch-sharded, sequence-sharded or on one device, the value is the same.
     """
-    num_experts, top_k, seq = scores.shape[-1], indices.shape[-1], scores.shape[1]
+    num_experts, seq = scores.shape[-1], scores.shape[1]
     s = scores.astype(jnp.float32)
     probs = jnp.mean(s / jnp.sum(s, axis=-1, keepdims=True), axis=1)  # P, [B, E]
+    indices = jax.lax.top_k(jax.lax.stop_gradient(s), top_k)[1]  # [B, S, K]
     copies = jax.vmap(lambda idx: jnp.bincount(idx.reshape(-1), length=num_experts))(indices)  # [B, E]
     fraction = copies.astype(jnp.float32) * (num_experts / (top_k * seq))  # f, [B, E]
     return weight * jnp.mean(jnp.sum(fraction * probs, axis=-1))

@@ -259,16 +259,15 @@ def _load_balance_loss(
 def _sequence_balance_loss(
     params: Params, tokens: jax.Array, shape: tuple[int, ...], routing: Routing, weight: float
 ) -> jax.Array | None:
-    """DeepSeek-V3's sequence-wise balance loss of this layer on the experts it dispatched to
-    (`balance.sequence_balance_loss`), or None when `moe.seq_balance_loss_weight` is 0. The unbiased scores are
-    the gate's, recomputed from its kernel as `_load_balance_loss` does, outside any expert-parallel shard_map:
-    the per-sequence sums run over whole sequences however the tokens are sharded, and the gradient reaches
-    the gate kernel."""
+    """DeepSeek-V3's sequence-wise balance loss of this layer (`balance.sequence_balance_loss`), or None when
+    `moe.seq_balance_loss_weight` is 0. The unbiased scores are the gate's, recomputed from its kernel as
+    `_load_balance_loss` does, outside any expert-parallel shard_map: the per-sequence sums run over whole
+    sequences however the tokens are sharded, and the gradient reaches the gate kernel."""
     if weight <= 0.0:
         return None
     batch, seq = shape[0], shape[1]
     scores = jax.nn.sigmoid(gate_logits(tokens, params["gate"]["kernel"])).reshape(batch, seq, -1)
-    return balance.sequence_balance_loss(scores, routing.indices.reshape(batch, seq, -1), weight)
+    return balance.sequence_balance_loss(scores, routing.indices.shape[-1], weight)
 
 
 def _bias_update(config: Any, routing: Routing) -> jax.Array | None:

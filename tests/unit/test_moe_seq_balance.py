@@ -20,8 +20,14 @@ from maxtext_moe.moe.routing import RoutingConfig, route
 ALPHA = 0.0001  # DeepSeek-V3's alpha
 
 
+def numpy_top_k(scores: np.ndarray, top_k: int) -> np.ndarray:
+    """Eq. 18's TopK({s_{j,t} | 1 <= j <= N_r}, K_r): the K largest affinities of each token, by sorting."""
+    return np.argsort(-scores, axis=-1, kind="stable")[..., :top_k]
+
+
 def numpy_sequence_balance_loss(scores: np.ndarray, indices: np.ndarray, alpha: float) -> float:
-    """Eqs. 17-20 as written, one sequence, expert and token at a time; the mean over the sequences."""
+    """Eqs. 17-20 as written, one sequence, expert and token at a time, for the top-K sets `indices`; the mean
+    over the sequences."""
     batch, seq, experts = scores.shape
     top_k = indices.shape[-1]
     losses = []
@@ -37,7 +43,8 @@ def numpy_sequence_balance_loss(scores: np.ndarray, indices: np.ndarray, alpha: 
 
 
 def _routed(cfg: RoutingConfig, batch: int, seq: int, seed: int) -> tuple[np.ndarray, np.ndarray, jax.Array]:
-    """(sigmoid scores [B, S, E], the experts `route` chose [B, S, K], the logits) for random logits and bias."""
+    """(sigmoid scores [B, S, E], the experts `route` sends each token to [B, S, K], the logits) for random
+    logits and bias."""
     rng = np.random.default_rng(seed)
     logits = jnp.asarray(rng.normal(size=(batch * seq, cfg.num_experts)), jnp.float32)
     bias = jnp.asarray(0.3 * rng.normal(size=cfg.num_experts), jnp.float32)
@@ -53,32 +60,34 @@ CONFIGS = [RoutingConfig(num_experts=16, top_k=4), GROUPED, RoutingConfig(num_ex
 @pytest.mark.parametrize("cfg", CONFIGS)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_matches_the_papers_equations(cfg: RoutingConfig, seed: int) -> None:
-    """Several sequences, the layer's own (biased, group-limited) selections; float32 against float64."""
-    scores, indices, _ = _routed(cfg, batch=3, seq=21, seed=seed)
-    got = float(jax.jit(balance.sequence_balance_loss, static_argnums=2)(scores, indices, ALPHA))
-    want = numpy_sequence_balance_loss(scores.astype(np.float64), indices, ALPHA)
+    """Several sequences; float32 against float64."""
+    scores, _, _ = _routed(cfg, batch=3, seq=21, seed=seed)
+    got = float(jax.jit(balance.sequence_balance_loss, static_argnums=(1, 2))(scores, cfg.top_k, ALPHA))
+    s = scores.astype(np.float64)
+    want = numpy_sequence_balance_loss(s, numpy_top_k(s, cfg.top_k), ALPHA)
     assert got == pytest.approx(want, rel=1e-6, abs=0)
     assert 0.5 * ALPHA < got < 3 * ALPHA  # about alpha for random routing: each sum_i f_i P_i is near 1
 
 
-def test_counts_the_experts_the_layer_chose_not_a_fresh_top_k() -> None:
-    """With a selection bias and group limits the chosen experts differ from the plain top-K of the scores,
-    and the loss follows the chosen ones (the `indices` passed), per sequence."""
-    scores, indices, _ = _routed(GROUPED, batch=2, seq=16, seed=3)
-    plain = np.asarray(jax.lax.top_k(jnp.asarray(scores), GROUPED.top_k)[1])
-    assert (np.sort(plain, axis=-1) != np.sort(indices, axis=-1)).any()
-    chosen = float(balance.sequence_balance_loss(scores, indices, 1.0))
-    assert chosen == pytest.approx(numpy_sequence_balance_loss(scores, indices, 1.0), rel=1e-6)
-    assert chosen != pytest.approx(numpy_sequence_balance_loss(scores, plain, 1.0), rel=1e-6)
+def test_counts_eq_18s_top_k_of_the_affinities_not_the_experts_a_token_is_sent_to() -> None:
+    """With a selection bias and group limits the experts a token is sent to differ from the top-K of its
+    affinities; eq. 18 counts the latter, per sequence."""
+    scores, sent, _ = _routed(GROUPED, batch=2, seq=16, seed=3)
+    plain = numpy_top_k(scores, GROUPED.top_k)
+    assert (np.sort(plain, axis=-1) != np.sort(sent, axis=-1)).any()
+    got = float(balance.sequence_balance_loss(scores, GROUPED.top_k, 1.0))
+    assert got == pytest.approx(numpy_sequence_balance_loss(scores, plain, 1.0), rel=1e-6)
+    assert got != pytest.approx(numpy_sequence_balance_loss(scores, sent, 1.0), rel=1e-6)
     # Per sequence, then averaged: one sequence's loss is not that of its tokens pooled with another's.
-    pooled = numpy_sequence_balance_loss(scores.reshape(1, 32, -1), indices.reshape(1, 32, -1), 1.0)
-    assert chosen != pytest.approx(pooled, rel=1e-6)
+    pooled = numpy_sequence_balance_loss(scores.reshape(1, 32, -1), plain.reshape(1, 32, -1), 1.0)
+    assert got != pytest.approx(pooled, rel=1e-6)
 
 
 def test_gradient_in_the_scores_is_the_analytic_one_and_the_finite_difference() -> None:
     """dL/ds_{m,t} = alpha / (B S) * (f_m - sum_i f_i s'_{i,t}) / sum_j s_{j,t}; the indicator is constant."""
-    scores, indices, logits = _routed(GROUPED, batch=2, seq=12, seed=5)
-    grad = np.asarray(jax.grad(balance.sequence_balance_loss)(jnp.asarray(scores), indices, ALPHA))
+    scores, _, logits = _routed(GROUPED, batch=2, seq=12, seed=5)
+    indices = numpy_top_k(scores, GROUPED.top_k)
+    grad = np.asarray(jax.grad(balance.sequence_balance_loss)(jnp.asarray(scores), GROUPED.top_k, ALPHA))
     batch, seq, experts = scores.shape
     s = scores.astype(np.float64)
     z = s.sum(-1, keepdims=True)
@@ -99,15 +108,14 @@ def test_gradient_in_the_scores_is_the_analytic_one_and_the_finite_difference() 
     # Through the router: the gate logits get a gradient from it (the selection itself gets none).
 
     def through_router(lg: jax.Array) -> jax.Array:
-        picked = route(lg, jnp.zeros(experts), GROUPED).indices.reshape(batch, seq, -1)
-        return balance.sequence_balance_loss(jax.nn.sigmoid(lg).reshape(batch, seq, -1), picked, ALPHA)
+        return balance.sequence_balance_loss(jax.nn.sigmoid(lg).reshape(batch, seq, -1), GROUPED.top_k, ALPHA)
 
     assert float(jnp.abs(jax.grad(through_router)(logits)).max()) > 0
 
 
 def test_weight_zero_is_zero() -> None:
-    scores, indices, _ = _routed(CONFIGS[0], batch=2, seq=8, seed=0)
-    assert float(balance.sequence_balance_loss(scores, indices, 0.0)) == 0.0
+    scores, _, _ = _routed(CONFIGS[0], batch=2, seq=8, seed=0)
+    assert float(balance.sequence_balance_loss(scores, CONFIGS[0].top_k, 0.0)) == 0.0
 
 
 _FOUR_CPU_DEVICES = textwrap.dedent("""
@@ -118,14 +126,13 @@ _FOUR_CPU_DEVICES = textwrap.dedent("""
 
     rng = np.random.default_rng(0)
     scores = jnp.asarray(rng.uniform(0.01, 1.0, size=(4, 32, 16)), jnp.float32)
-    indices = jnp.asarray(np.argsort(rng.normal(size=(4, 32, 16)), axis=-1)[..., :4], jnp.int32)
-    loss = jax.jit(jax.value_and_grad(balance.sequence_balance_loss), static_argnums=2)
-    one, one_grad = loss(scores, indices, 1e-4)
+    loss = jax.jit(jax.value_and_grad(balance.sequence_balance_loss), static_argnums=(1, 2))
+    one, one_grad = loss(scores, 4, 1e-4)
     mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "seq"))
     worst = 0.0
     for spec in (P("data"), P(None, "seq"), P("data", "seq"), P(("data", "seq"))):
         put = lambda a: jax.device_put(a, NamedSharding(mesh, spec))
-        value, grad = loss(put(scores), put(indices), 1e-4)
+        value, grad = loss(put(scores), 4, 1e-4)
         worst = max(worst, abs(float(value) - float(one)) / float(one),
                     float(jnp.max(jnp.abs(grad - one_grad)) / jnp.max(jnp.abs(one_grad))))
     print(json.dumps({"devices": len(jax.devices()), "worst": worst}))
