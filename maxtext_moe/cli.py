@@ -16,7 +16,7 @@ from typing import Any
 
 from maxtext_moe import __version__
 from maxtext_moe.errors import UserError, brief, root_cause
-from maxtext_moe.recipe import advice, composition
+from maxtext_moe.recipe import advice, composition, training
 from maxtext_moe.recipe.resolved import ResolvedRecipe
 from maxtext_moe.upstream import maxtext_errors
 
@@ -67,6 +67,8 @@ def render_show(r: ResolvedRecipe) -> str:
         for key in sorted(values):
             src = r.sources.get(f"{prefix}.{key}", "derived from xla_flags" if key == "XLA_FLAGS" else "")
             lines.append(f"  {(key + ':').ljust(width)} {_yaml_scalar(values[key])}  # {src}")
+    if r.training_settings is not None:
+        lines += training.show_lines(r.training_settings, r.sources, int(r.effective("steps")))
     lines += [f"# {note}" for note in advice.notes(r)]
     return "\n".join(lines)
 

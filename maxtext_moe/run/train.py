@@ -236,6 +236,10 @@ def _run(
         elif count_upstream_routing:
             balance_metrics.install_counted_layer()
         balance_metrics.install()
+        if resolved.training_settings is not None:  # after balance_metrics: it wraps the step MaxText defines
+            from maxtext_moe.upstream import training_schedule
+
+            training_schedule.install(resolved.training_settings.timeline())
         if resolved.guard_settings.loss_spike is not None:
             from maxtext_moe.upstream import skip_nonfinite
 
