@@ -207,7 +207,12 @@ def cmd_plan(a: argparse.Namespace) -> int:
         print(json.dumps([p.to_json() for p in ranked], indent=2) if a.json else plan.search.render(ranked))
         return 0
     result = plan.estimate(resolved, gpus=a.gpus, gpu_type=a.gpu_type)
-    print(json.dumps(result.to_json(), indent=2) if a.json else result.render())
+    settings = resolved.training_settings
+    cost = None if settings is None else plan.budget.of(result, settings)
+    if a.json:
+        print(json.dumps(result.to_json() | ({"budget": cost.to_json()} if cost else {}), indent=2))
+    else:
+        print(result.render() + ("" if cost is None else "\n" + cost.render()))
     return 0
 
 

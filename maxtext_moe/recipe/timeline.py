@@ -118,10 +118,11 @@ class Timeline:
     def mtp_weight_at(self, step: int) -> float:
         return piecewise(self.mtp_steps(), step, 0.0)
 
-    def masked_fraction(self) -> float:
-        """The share of the run's compute spent on the sequences the ramp masks: each step runs at `batch_end`."""
+    def extra_compute(self) -> float:
+        """The compute the ramp's masked sequences add, over that of the tokens trained: each step runs at
+        `batch_end`."""
         computed = self.steps * self.batch_end * self.seq_len
-        return 1.0 - self.tokens_at(self.steps) / computed
+        return computed / self.tokens_at(self.steps) - 1.0
 
     def breakpoints(self) -> list[tuple[int, str]]:
         """(step, what starts there), in step order: every point where a schedule changes course."""

@@ -22,7 +22,7 @@ rest out in the step.
       mtp_weight: {0: 0.3, 10T: 0.1}           # lambda, from the tokens given
 
 The batch ramp runs every step at `batch_end` sequences and masks the loss of the sequences past the step's
-batch: the gradient is the smaller batch's, and the step costs a full one (`Timeline.masked_fraction`).
+batch: the gradient is the smaller batch's, and the step costs a full one (`Timeline.extra_compute`).
 MaxText's `steps` may be set below the schedule's length to stop early (a smoke run); the schedule is unchanged.
 """
 
@@ -140,9 +140,7 @@ class _Reader:
 
     def number(self, key: str, default: float | None = None, *, positive: bool = False) -> float:
         if key not in self.section:
-            if default is None:
-                self.fail(key, "is missing: a training section states it.", "see docs/RECIPES.md, 'Training'.")
-            return float(default)
+            return float(default or 0.0)
         value = self.section[key].value
         got = amount(value)
         if got is None or got < 0 or (positive and got == 0):
@@ -195,7 +193,8 @@ def resolve(
                 fix="remove it; the training section states the schedule (docs/RECIPES.md, 'Training').",
             )
     for key in REQUIRED:
-        read.number(key)
+        if key not in section:
+            read.fail(key, "is missing: a training section states it.", "see docs/RECIPES.md, 'Training'.")
     tokens = read.number("tokens", positive=True)
     end = read.whole("batch_end")
     start = read.whole("batch_start", end)
@@ -318,10 +317,10 @@ def show_lines(settings: TrainingSettings, sources: Mapping[str, str], steps: in
         f"# the schedule on steps ({settings.seq_len} tokens a sequence; tokens trained before each step; "
         "lr from lr_*, batch from batch_*, gamma from bias_update_rate, lambda from mtp_weight):"
     )
-    lines.append(f"#   {'step':>8} {'tokens':>9} {'lr':>9} {'batch':>6} {'gamma':>7} {'lambda':>6}  what starts")
+    lines.append(f"#   {'step':>8} {'tokens':>10} {'lr':>9} {'batch':>6} {'gamma':>7} {'lambda':>6}  what starts")
     for step, what in line.breakpoints():
         lines.append(
-            f"#   {step:>8} {tokens_text(line.tokens_at(step)):>9} {line.lr_at(step):>9.3g} {line.batch_at(step):>6} "
+            f"#   {step:>8} {tokens_text(line.tokens_at(step)):>10} {line.lr_at(step):>9.3g} {line.batch_at(step):>6} "
             f"{line.bias_rate_at(step):>7g} {line.mtp_weight_at(step):>6g}  {what}"
         )
     if line.ramp_steps:
@@ -329,7 +328,7 @@ def show_lines(settings: TrainingSettings, sources: Mapping[str, str], steps: in
             f"# batch ramp: {len(line.levels) - 1} batch sizes below batch_end over steps 0-{line.ramp_steps - 1}, "
             f"in steps of {settings.quantum} sequences (one per device). Deviation: every step computes batch_end "
             f"({settings.batch_end}) sequences and masks the loss of those past its batch, so the gradient is the "
-            f"ramp's, no step recompiles, and the masked sequences cost {100 * line.masked_fraction():.1f}% of the "
+            f"ramp's, no step recompiles, and the masked sequences add {100 * line.extra_compute():.1f}% to the "
             "run's compute and are not trained on."
         )
     lines.append(

@@ -280,7 +280,11 @@ def resolve(comp: Composition) -> ResolvedRecipe:
     training = None
     if comp.sections["training"]:
         settings = training_section.resolve(
-            comp.sections["training"], check.value, lambda k: comp.source("maxtext", k), topo.num_devices, comp.name
+            comp.sections["training"],
+            check.value,
+            lambda k: comp.source("maxtext", k),
+            topo.num_devices,
+            comp.files[-1],
         )
         steps_set = int(check.value("steps")) if comp.source("maxtext", "steps") else None
         derived = training_section.maxtext_keys(settings, steps_set)
