@@ -208,7 +208,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
         return 0
     result = plan.estimate(resolved, gpus=a.gpus, gpu_type=a.gpu_type)
     settings = resolved.training_settings
-    cost = None if settings is None else plan.budget.of(result, settings)
+    cost = None if settings is None else plan.budget.of(result, settings, int(resolved.effective("steps")))
     if a.json:
         print(json.dumps(result.to_json() | ({"budget": cost.to_json()} if cost else {}), indent=2))
     else:

@@ -28,6 +28,8 @@ class Budget:
     seconds: float
     gpus: int
     hardware: str
+    run_steps: int  # MaxText's steps: fewer than `steps` when the run stops early (a smoke run)
+    step_s: float
 
     @property
     def days(self) -> float:
@@ -59,11 +61,17 @@ class Budget:
                 f"{DEEPSEEK_V3_PRETRAIN_GPU_HOURS / 1e6:.3f}M for its 14.8T-token pre-training on "
                 f"{DEEPSEEK_V3_GPUS:,} H800s ({DEEPSEEK_V3_PRETRAIN_GPU_HOURS / DEEPSEEK_V3_GPUS / 24:.0f} days)",
             ]
+            + (
+                [f"    this run stops after {self.run_steps} steps: {self.run_steps * self.step_s / 3600:.2f} h"]
+                if self.run_steps < self.steps
+                else []
+            )
         )
 
 
-def of(plan: Plan, settings: TrainingSettings) -> Budget:
-    """The budget of `settings` at `plan`'s throughput (tokens a step over its time, on all its GPUs)."""
+def of(plan: Plan, settings: TrainingSettings, run_steps: int) -> Budget:
+    """The budget of `settings` at `plan`'s throughput (tokens a step over its time, on all its GPUs); `run_steps`
+    is MaxText's `steps`, where this run stops."""
     line = settings.timeline()
     computed = float(line.steps * settings.batch_end * settings.seq_len)
     lay = plan.layout
@@ -75,4 +83,6 @@ def of(plan: Plan, settings: TrainingSettings) -> Budget:
         seconds=computed / tokens_per_s,
         gpus=lay.devices,
         hardware=lay.hardware.name,
+        run_steps=run_steps,
+        step_s=plan.step_s,
     )

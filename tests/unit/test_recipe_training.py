@@ -192,7 +192,7 @@ def test_smoke_recipe_is_the_h200_recipe_for_ten_steps_at_two_micro_batches() ->
 def test_plan_gives_the_days_and_gpu_hours_of_the_token_budget(paper) -> None:
     r, line = paper
     p = estimate(r)
-    cost = budget.of(p, r.training_settings)
+    cost = budget.of(p, r.training_settings, r.maxtext["steps"])
     assert cost.steps == line.steps and cost.gpus == 128
     assert cost.computed_tokens == line.steps * 15360 * SEQ
     assert cost.seconds == pytest.approx(line.steps * p.step_s)  # the plan's step is one of 15,360 sequences
@@ -200,3 +200,10 @@ def test_plan_gives_the_days_and_gpu_hours_of_the_token_budget(paper) -> None:
     text = cost.render()
     assert "budget: 14.8T tokens (training section) in 242,940 steps" in text
     assert "DeepSeek-V3 for reference: 2.788M H800 GPU-hours in all" in text
+
+
+def test_plan_of_the_smoke_run_gives_its_own_time_too() -> None:
+    r = compose_resolve(f"{H200}-smoke")
+    p = estimate(r)
+    text = budget.of(p, r.training_settings, 10).render()
+    assert f"this run stops after 10 steps: {10 * p.step_s / 3600:.2f} h" in text
