@@ -208,10 +208,12 @@ def _run(
     steps = int(resolved.effective("steps"))
     start = 0 if found.latest is None else found.latest + 1
     if start >= steps:
-        out(
-            f"{rp.run}: already trained {start} of {steps} steps; nothing to do. Raise steps=N "
-            "(with learning_rate_schedule_steps=N) to train further."
+        further = (
+            "Raise steps=N (with learning_rate_schedule_steps=N)"
+            if resolved.training is None
+            else "Raise steps=N, up to the training section's length, or training.tokens"
         )
+        out(f"{rp.run}: already trained {start} of {steps} steps; nothing to do. {further} to train further.")
         return None
     maxtext = dict(
         resolved.maxtext,
