@@ -32,7 +32,7 @@ import itertools
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from maxtext_moe.errors import UserError
 from maxtext_moe.recipe.guard import Sourced
@@ -135,28 +135,28 @@ class _Reader:
     def where(self, key: str) -> str:
         return self.section[key].source if key in self.section else self.fallback
 
-    def fail(self, key: str, message: str, fix: str | None = None) -> None:
+    def fail(self, key: str, message: str, fix: str | None = None) -> NoReturn:
         raise UserError(message, key=f"training.{key}", source=self.where(key), fix=fix)
 
-    def number(self, key: str, default: float | None = None, *, positive: bool = False) -> float:
+    def number(self, key: str, default: float = 0.0, *, positive: bool = False) -> float:
         if key not in self.section:
-            return float(default or 0.0)
+            return float(default)
         value = self.section[key].value
         got = amount(value)
         if got is None or got < 0 or (positive and got == 0):
             self.fail(key, f"must be a number {'above' if positive else 'of at least'} 0, got {value!r}.")
-        return float(got)  # type: ignore[arg-type]
+        return float(got)
 
-    def whole(self, key: str, default: int | None = None) -> int:
+    def whole(self, key: str, default: int = 0) -> int:
         got = self.number(key, default, positive=key != "lr_warmup_steps")
         if not got.is_integer():
             self.fail(key, f"must be a whole number, got {got:g}.")
         return int(got)
 
-    def steps(self, key: str, default: float | None = None) -> tuple[tuple[float, float], ...]:
-        """A step function `{from tokens: value}`: starts at 0, tokens increasing, values at least 0."""
+    def step_function(self, key: str) -> tuple[tuple[float, float], ...]:
+        """A step function `{from tokens: value}` (0 throughout when the field is missing); values at least 0."""
         if key not in self.section:
-            return ((0.0, float(default or 0.0)),)
+            return ((0.0, 0.0),)
         value = self.section[key].value
         if not isinstance(value, Mapping) or not value:
             self.fail(key, f"must be a mapping of tokens to values, like {{0: 0.001, 14.3T: 0}}; got {value!r}.")
@@ -165,7 +165,7 @@ class _Reader:
             tok, val = amount(t), amount(v)
             if tok is None or val is None or val < 0:
                 self.fail(key, f"has {t!r}: {v!r}; tokens and values must be numbers of at least 0.")
-            pairs.append((float(tok), float(val)))  # type: ignore[arg-type]
+            pairs.append((float(tok), float(val)))
         return tuple(pairs)
 
 
@@ -221,14 +221,14 @@ def resolve(
     if ramp == 0 and start != end:
         read.fail("ramp_tokens", f"is 0 but batch_start ({start}) differs from batch_end ({end}).")
     lr_points = [read.number(k) for k in ("lr_constant_until", "lr_cosine_until")]
-    tail = read.steps("lr_tail") if "lr_tail" in section else ()
+    tail = read.step_function("lr_tail") if "lr_tail" in section else ()
     _increasing(
         read,
         "lr_cosine_until",
         [*lr_points, *(t for t, _ in tail), tokens],
         "lr_constant_until, lr_cosine_until, lr_tail's tokens and the run's tokens",
     )
-    schedules = {k: read.steps(k) for k in ("bias_update_rate", "mtp_weight")}
+    schedules = {k: read.step_function(k) for k in ("bias_update_rate", "mtp_weight")}
     for key, pairs in schedules.items():
         if pairs[0][0] != 0:
             read.fail(key, f"starts at {pairs[0][0]:g} tokens; the first value must be from 0.")
