@@ -16,7 +16,7 @@ from typing import Any
 
 from maxtext_moe import __version__
 from maxtext_moe.errors import UserError, brief, root_cause
-from maxtext_moe.recipe import advice, composition
+from maxtext_moe.recipe import advice, composition, training
 from maxtext_moe.recipe.resolved import ResolvedRecipe
 from maxtext_moe.upstream import maxtext_errors
 
@@ -67,6 +67,8 @@ def render_show(r: ResolvedRecipe) -> str:
         for key in sorted(values):
             src = r.sources.get(f"{prefix}.{key}", "derived from xla_flags" if key == "XLA_FLAGS" else "")
             lines.append(f"  {(key + ':').ljust(width)} {_yaml_scalar(values[key])}  # {src}")
+    if r.training_settings is not None:
+        lines += training.show_lines(r.training_settings, r.sources, int(r.effective("steps")))
     lines += [f"# {note}" for note in advice.notes(r)]
     return "\n".join(lines)
 
@@ -205,7 +207,12 @@ def cmd_plan(a: argparse.Namespace) -> int:
         print(json.dumps([p.to_json() for p in ranked], indent=2) if a.json else plan.search.render(ranked))
         return 0
     result = plan.estimate(resolved, gpus=a.gpus, gpu_type=a.gpu_type)
-    print(json.dumps(result.to_json(), indent=2) if a.json else result.render())
+    settings = resolved.training_settings
+    cost = None if settings is None else plan.budget.of(result, settings, int(resolved.effective("steps")))
+    if a.json:
+        print(json.dumps(result.to_json() | ({"budget": cost.to_json()} if cost else {}), indent=2))
+    else:
+        print(result.render() + ("" if cost is None else "\n" + cost.render()))
     return 0
 
 

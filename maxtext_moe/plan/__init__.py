@@ -4,12 +4,13 @@ MaxText reports memory only after XLA has compiled for the real devices, and FLO
 runs; neither tells whether a 671B layout fits a cluster one does not have yet. This package answers
 that from arithmetic over the resolved configuration alone (no jax): `model` (shapes and parameter
 counts), `layout` (mesh, batch, dtypes, remat policy), `flops`, `memory`, `communication`, `estimate`
-(step time, fit verdict, rendering) and `search` (rank layouts that fit).
+(step time, fit verdict, rendering), `search` (rank layouts that fit) and `budget` (the days and GPU-hours
+of the recipe's `training:` token budget).
 """
 
-from maxtext_moe.plan import search
+from maxtext_moe.plan import budget, search
 from maxtext_moe.plan.estimate import Plan, estimate
 from maxtext_moe.plan.layout import Layout
 from maxtext_moe.plan.model import Model
 
-__all__ = ["Layout", "Model", "Plan", "estimate", "search"]
+__all__ = ["Layout", "Model", "Plan", "budget", "estimate", "search"]

@@ -96,6 +96,7 @@ def _working_set(sizes: dict[str, float], remat: dict[str, str]) -> float:
 UNROLLED_GRADIENTS = "gradients (beyond the activations freed before them)"
 UNROLLED_TRANSIENT = "logits + loss, or one layer's backward working set (never live together)"
 WEIGHT_COPIES = "layer weight copies (scan slice, FSDP gather, layer gradient)"
+ACCUMULATED_GRADIENTS = "accumulated gradients (gradient_accumulation_steps > 1)"
 
 
 def _layer_has_collectives(lay: Layout) -> bool:
@@ -174,6 +175,10 @@ def per_gpu(m: Model, lay: Layout) -> Memory:
         moe_saved = m.emb / lay.tp + sum(s for t, s in tensor_sizes(m, lay, True).items() if lay.remat[t] == "device")
         layer_saved = 0.0 if _layer_has_collectives(lay) else micro_tokens * moe_saved * act
         _unrolled_peak(device, layer_saved)
+    if lay.grad_accum > 1:
+        # MaxText's accumulation loop (`gradient_accumulation_loss_and_grad`) carries the summed gradients, at the
+        # parameters' dtype and sharding, through every micro-batch beside the gradients the micro-batch makes.
+        device[ACCUMULATED_GRADIENTS] = params * lay.weight_bytes
     if saved_host:
         host["offloaded activations"] = stage_tokens * saved_host * act
     return Memory(device=device, host=host)

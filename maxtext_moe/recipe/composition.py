@@ -19,6 +19,7 @@ File format (recipes and fragments alike; every section optional):
     attention: {residuals: save}                     # keep flash attention's forward outputs for the backward
     guard: {action: stop, loss_spike: off}           # what a diverging run does (recipe/guard.py)
     job: {max_restarts: 3, watchdog: auto}           # restarts and hang detection of a job (recipe/job.py)
+    training: {tokens: 14.8T, lr_peak: 2.2e-4}      # the run's length and schedules, in tokens (recipe/training.py)
 
 Later values replace earlier ones key by key; command-line `key=value` overrides come last.
 """
@@ -36,7 +37,7 @@ import yaml
 from maxtext_moe import paths
 from maxtext_moe.errors import UserError
 from maxtext_moe.moe import settings
-from maxtext_moe.recipe import guard, job, maxtext_keys
+from maxtext_moe.recipe import guard, job, maxtext_keys, training
 
 SECTIONS = (
     "description",
@@ -50,6 +51,7 @@ SECTIONS = (
     "attention",
     "guard",
     "job",
+    "training",
 )
 TOPOLOGY_FIELDS = ("hardware", "nodes", "gpus_per_node")
 CORPUS_FIELDS = ("source", "max_mib", "shards")
@@ -63,6 +65,7 @@ FIELDS = {
     "attention": ATTENTION_FIELDS,
     "guard": guard.FIELDS,
     "job": job.FIELDS,
+    "training": training.FIELDS,
 }
 # Fields that moved to another section: old "section.field" -> new "section.field".
 MOVED = {"moe.attention_residuals": "attention.residuals"}
@@ -77,6 +80,7 @@ PREFIXES = {
     "attention": "attention",
     "guard": "guard",
     "job": "job",
+    "training": "training",
 }
 COMMAND_LINE = "command line"
 # MaxText keys that `run/train.py` sets itself: a value given for them would be ignored without a word.
@@ -271,7 +275,7 @@ def parse_override(text: str) -> tuple[str, str, Any]:
                 f"unknown prefix '{prefix}' in '{dotted}'.{suggest(prefix, tuple(PREFIXES))}",
                 source=COMMAND_LINE,
                 fix="use a MaxText key, or env.NAME, xla.FLAG, topology.FIELD, corpus.FIELD, moe.FIELD, "
-                "attention.FIELD, guard.FIELD, job.FIELD.",
+                "attention.FIELD, guard.FIELD, job.FIELD, training.FIELD.",
             )
         section, key = PREFIXES[prefix], rest
     try:

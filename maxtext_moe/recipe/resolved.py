@@ -17,6 +17,7 @@ from maxtext_moe.recipe import maxtext_keys
 from maxtext_moe.recipe.guard import GuardSettings
 from maxtext_moe.recipe.hardware import Hardware, profile
 from maxtext_moe.recipe.job import JobSettings
+from maxtext_moe.recipe.training import TrainingSettings
 
 # Keys that change the shape or layout of saved parameters, besides those a MaxText model file sets.
 _CHECKPOINT_SHAPE_KEYS = (
@@ -79,6 +80,7 @@ class ResolvedRecipe:
     attention: dict[str, Any] = field(default_factory=lambda: {"residuals": "recompute"})  # validate._attention
     guard: dict[str, Any] = field(default_factory=lambda: GuardSettings().to_dict())  # GuardSettings.to_dict()
     job: dict[str, Any] = field(default_factory=lambda: JobSettings().to_dict())  # JobSettings.to_dict()
+    training: dict[str, Any] | None = None  # TrainingSettings.to_dict(), or None: MaxText's own schedule
     sources: dict[str, str] = field(default_factory=dict)  # "maxtext.steps" -> file or "command line"
     files: list[str] = field(default_factory=list)
 
@@ -96,6 +98,11 @@ class ResolvedRecipe:
     def job_settings(self) -> JobSettings:
         """The `job` section as code reads it: restarts, the hang watchdog and the compilation cache."""
         return JobSettings.from_dict(self.job)
+
+    @property
+    def training_settings(self) -> TrainingSettings | None:
+        """The `training` section as code reads it, or None when the recipe leaves the schedule to MaxText."""
+        return None if self.training is None else TrainingSettings.from_dict(self.training)
 
     def effective(self, key: str) -> Any:
         """A MaxText key's value as MaxText will see it: recipe, else model file, else base.yml."""
@@ -135,6 +142,7 @@ class ResolvedRecipe:
             "attention": self.attention,
             "guard": self.guard,
             "job": self.job,
+            "training": self.training,
             "sources": self.sources,
             "files": self.files,
         }

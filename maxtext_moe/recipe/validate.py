@@ -21,6 +21,7 @@ from maxtext_moe.errors import UserError
 from maxtext_moe.recipe import guard as guard_section
 from maxtext_moe.recipe import job as job_section
 from maxtext_moe.recipe import maxtext_keys, mesh_check, moe_checks
+from maxtext_moe.recipe import training as training_section
 from maxtext_moe.recipe.composition import Composition, suggest
 from maxtext_moe.recipe.hardware import PROFILES, Hardware
 from maxtext_moe.recipe.resolved import ResolvedRecipe, Topology
@@ -282,6 +283,22 @@ def resolve(comp: Composition) -> ResolvedRecipe:
     guard = guard_section.resolve(comp.sections["guard"], check.value, lambda k: comp.source("maxtext", k))
     maxtext |= guard.maxtext_keys()
     sources |= guard.sources(sources)
+    training = None
+    if comp.sections["training"]:
+        settings = training_section.resolve(
+            comp.sections["training"],
+            check.value,
+            lambda k: comp.source("maxtext", k),
+            topo.num_devices,
+            comp.files[-1],
+        )
+        steps_set = int(check.value("steps")) if comp.source("maxtext", "steps") else None
+        derived = training_section.maxtext_keys(settings, steps_set)
+        maxtext |= derived
+        for key in derived:
+            if key != "steps" or steps_set is None:
+                sources[f"maxtext.{key}"] = "derived from the training section"
+        training = settings.to_dict()
     job = job_section.resolve(comp.sections["job"])
     for key in job.to_dict():
         sources.setdefault(f"job.{key}", "default")
@@ -296,6 +313,7 @@ def resolve(comp: Composition) -> ResolvedRecipe:
         attention=attention,
         guard=guard.to_dict(),
         job=job.to_dict(),
+        training=training,
         sources=sources,
         files=list(comp.files),
     )

@@ -208,10 +208,12 @@ def _run(
     steps = int(resolved.effective("steps"))
     start = 0 if found.latest is None else found.latest + 1
     if start >= steps:
-        out(
-            f"{rp.run}: already trained {start} of {steps} steps; nothing to do. Raise steps=N "
-            "(with learning_rate_schedule_steps=N) to train further."
+        further = (
+            "Raise steps=N (with learning_rate_schedule_steps=N)"
+            if resolved.training is None
+            else "Raise steps=N, up to the training section's length, or training.tokens"
         )
+        out(f"{rp.run}: already trained {start} of {steps} steps; nothing to do. {further} to train further.")
         return None
     maxtext = dict(
         resolved.maxtext,
@@ -236,6 +238,10 @@ def _run(
         elif count_upstream_routing:
             balance_metrics.install_counted_layer()
         balance_metrics.install()
+        if resolved.training_settings is not None:  # after balance_metrics: it wraps the step MaxText defines
+            from maxtext_moe.upstream import training_schedule
+
+            training_schedule.install(resolved.training_settings.timeline())
         if resolved.guard_settings.loss_spike is not None:
             from maxtext_moe.upstream import skip_nonfinite
 

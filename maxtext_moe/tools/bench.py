@@ -188,7 +188,10 @@ def run(
         run_name=f"{resolved.maxtext.get('run_name') or resolved.name}-bench",
         **traced,
     )
-    bench_recipe = dataclasses.replace(resolved, maxtext=maxtext)
+    # MaxText's own schedule over the bench's steps, not the training section's: its warm-up (2,000 steps in
+    # DeepSeek-V3's) would hold the learning rate near 0 over a few steps, and a bench needs a falling loss. The
+    # step is the same: the section's gradient accumulation stays in `maxtext`.
+    bench_recipe = dataclasses.replace(resolved, maxtext=maxtext, training=None)
     if profile:  # the step's optimized HLO, for the profile's split by stage (tools/profile.py)
         hlo = train.run_paths(bench_recipe).run / "hlo"
         dump = f"--xla_dump_to={hlo} --xla_dump_hlo_module_re=jit_train_step --xla_dump_hlo_as_text"

@@ -29,7 +29,7 @@ TARGETS = ("slurm", "k8s")
 DEFAULT_IMAGES = {"slurm": f"$PWD/maxtext-moe+{__version__}.sqsh", "k8s": f"maxtext-moe:{__version__}"}
 RUNS_MOUNT = "/runs"  # inside the container: base_output_directory (checkpoints, TensorBoard, logs)
 # Kubernetes: seconds from a pod's SIGTERM to its SIGKILL, for a step and a checkpoint save (the K8S template says why).
-K8S_GRACE_S = 1800
+K8S_GRACE_S = 2400
 
 SLURM = Template("""\
 #!/bin/bash
@@ -136,8 +136,9 @@ K8S = Template("""\
 # failure: a SIGTERM (preemption, drain) reaches every process through jax.distributed, all of them save a
 # checkpoint at the same step and exit 143, and the podFailurePolicy rule replaces every pod without counting
 # it, so training resumes from that checkpoint. Pods are replaced only once the old ones have ended
-# (podReplacementPolicy). The grace period holds a step and a save: the 671B recipe's weights and Adam moments
-# are 30 GiB per process by the planner's estimate (3.7 TiB over 128), 28 minutes at 2.4 GB/s to the runs volume.
+# (podReplacementPolicy). The grace period holds a step and a save: a step of the 671B recipe at the paper's batch
+# (20 accumulated micro-batches) plans to 6 minutes, and its weights and Adam moments are 30 GiB per process by
+# the planner's estimate (3.7 TiB over 128), 28 minutes at 2.4 GB/s to the runs volume.
 apiVersion: v1
 kind: Service
 metadata:

@@ -32,6 +32,10 @@ Each module names the gap it fills. `SYMBOLS` lists what they touch, so that one
 - `nccl_ep_bootstrap`: wraps `max_utils.maybe_bootstrap_te_moe` (called by `train_utils.setup_train_loop`) to
   bootstrap NCCL EP for our block with `moe.exchange: nccl_ep`.
 - `jax_coordination`: `jax._src.distributed.global_state.client`, the key-value store of a multi-process run.
+- `training_schedule`: the recipe's `training:` schedules in the step: rebinds
+  `maxtext_utils.create_learning_rate_schedule` (a multi-phase learning rate), wraps `train.train_step` (the batch
+  ramp as a loss mask, the step's schedule values in its metrics), and rebinds `moe.load_balance_updates_from_counts`
+  (also as `gradient_accumulation` imports it) and `train.calculate_mtp_loss` (bias-update rate and MTP weight by step).
 - `deviceless`: answers the trace-time GPU queries of JAX's cuDNN attention (`check_compute_capability`,
   `is_cuda_compute_capability_equal`) and TE (`get_device_compute_capability`), and drops `jax.debug.callback`,
   to compile for GPUs on a machine without one (`jax.experimental.topologies.get_topology_desc`).
@@ -76,6 +80,9 @@ SYMBOLS: tuple[tuple[str, str, str], ...] = (
     ("maxtext", "maxtext.utils.sharding", "get_input_data_sharding"),
     ("maxtext", "maxtext.models.models", "transformer_as_linen"),
     ("maxtext", "maxtext.utils.maxtext_utils", "get_abstract_param"),
+    ("maxtext", "maxtext.utils.maxtext_utils", "create_learning_rate_schedule"),
+    ("maxtext", "maxtext.utils.gradient_accumulation", "load_balance_updates_from_counts"),
+    ("maxtext", "maxtext.trainers.pre_train.train", "calculate_mtp_loss"),
     ("maxtext", "maxtext.checkpoint_conversion.utils.utils", "param_key_parts_from_path"),
     ("maxtext", "maxtext.checkpoint_conversion.utils.param_mapping", "DEEPSEEK_MAXTEXT_TO_HF_PARAM_MAPPING"),
     ("maxtext", "maxtext.checkpoint_conversion.utils.param_mapping", "DEEPSEEK_MAXTEXT_TO_HF_PARAM_HOOK_FN"),

@@ -29,14 +29,16 @@ GIB = 2**30
     ],
 )
 def test_flops_match_maxtext(ref: str, overrides: list[str], prepared_corpus) -> None:
-    """Our per-token count x tokens/device equals MaxText's calculate_tflops_training_per_device."""
+    """Our per-token count x tokens/device equals MaxText's calculate_tflops_training_per_device (per optimizer
+    step: all gradient-accumulation steps)."""
     from maxtext.utils.maxtext_utils import calculate_tflops_training_per_device
 
     r = cli.resolve(ref, with_corpus(cli.resolve(ref, overrides).maxtext, overrides, prepared_corpus))
     config = maxtext_config.check(r.maxtext, r.sources)
     theirs, _, _ = calculate_tflops_training_per_device(config, log=False)
     f = flops.per_token(Model.from_recipe(r), config.max_target_length)
-    ours = f.maxtext * config.per_device_batch_size * config.max_target_length / 1e12
+    tokens = config.per_device_batch_size * config.max_target_length * config.gradient_accumulation_steps
+    ours = f.maxtext * tokens / 1e12
     assert ours == pytest.approx(theirs, rel=1e-9)
 
 
