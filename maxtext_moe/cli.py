@@ -337,8 +337,8 @@ def parser() -> argparse.ArgumentParser:
     la.add_argument(
         "--warning",
         type=int,
-        default=600,
-        help="SLURM: seconds before the time limit to checkpoint and stop (default %(default)s)",
+        help="SLURM: seconds before the time limit to finish the step, checkpoint and stop (default 2400: a step "
+        "and a save of the 671B recipe)",
     )
     la.add_argument(
         "--skip-fit-check",

@@ -28,8 +28,9 @@ TARGETS = ("slurm", "k8s")
 # build_container.sh tags the image maxtext-moe:<version> and writes an enroot squashfs of that name.
 DEFAULT_IMAGES = {"slurm": f"$PWD/maxtext-moe+{__version__}.sqsh", "k8s": f"maxtext-moe:{__version__}"}
 RUNS_MOUNT = "/runs"  # inside the container: base_output_directory (checkpoints, TensorBoard, logs)
-# Kubernetes: seconds from a pod's SIGTERM to its SIGKILL, for a step and a checkpoint save (the K8S template says why).
-K8S_GRACE_S = 2400
+# Seconds a stop needs, for a step and a checkpoint save of the 671B recipe (the K8S template says why): SLURM's
+# warning before the time limit, and Kubernetes' time from a pod's SIGTERM to its SIGKILL.
+STOP_S = 2400
 
 SLURM = Template("""\
 #!/bin/bash
@@ -314,7 +315,7 @@ def render(
     venv: str | None = None,
     max_restarts: int | None = None,
     tasks_per_node: int | None = None,
-    warning_s: int = 600,
+    warning_s: int | None = None,
     overrides: Sequence[str] = (),
 ) -> str:
     """The job for `resolved` (already resolved with topology.nodes = the node count, times `tasks_per_node` for a
@@ -327,6 +328,7 @@ def render(
     t = resolved.topology
     gpu = t.profile.maxtext_hardware == "gpu"
     restarts = resolved.job_settings.max_restarts if max_restarts is None else max_restarts
+    warning_s = STOP_S if warning_s is None else warning_s
     _check_slurm_args(runtime, restarts, tasks_per_node, warning_s, gpu, t.nodes)
     # One process per GPU (JAX's SLURM detection, NVIDIA JAX-Toolbox; on two H200s one process for both
     # GPUs hung at expert parallelism 2, docs/PERFORMANCE.md); CPU recipes: one process per node, or
@@ -361,7 +363,7 @@ def render(
         "pod_devices": t.gpus_per_node,
         "last_local": per_node - 1,
         "local_ids": "JAX_LOCAL_DEVICE_IDS=$local " if gpu else "",
-        "grace_s": K8S_GRACE_S,
+        "grace_s": STOP_S,
     }
     if target == "k8s":
         return K8S.substitute(fields)
@@ -385,7 +387,7 @@ def _check_slurm_args(
         raise UserError(
             f"must be at least 60 seconds (SLURM sends the warning with about a minute's resolution), got {warning_s}.",
             key="--warning",
-            fix="give the time one checkpoint save takes, with room, e.g. --warning 600.",
+            fix=f"give the time one step and a checkpoint save take, with room, e.g. --warning {STOP_S}.",
         )
     if tasks_per_node is not None and (gpu or tasks_per_node < 1 or processes % tasks_per_node):
         raise UserError(

@@ -207,7 +207,7 @@ def test_k8s_job_fails_whole_on_a_failure_and_replaces_every_pod_after_a_stop():
     assert spec["podReplacementPolicy"] == "Failed"
 
 
-def test_k8s_grace_period_holds_a_step_and_a_checkpoint_save_of_the_671b_recipe():
+def test_k8s_grace_period_and_slurm_warning_hold_a_step_and_a_checkpoint_save_of_the_671b_recipe():
     """The figures in the template's comment: weights and Adam moments by the planner, written at 2.4 GB/s."""
     from maxtext_moe import plan
 
@@ -216,7 +216,9 @@ def test_k8s_grace_period_holds_a_step_and_a_checkpoint_save_of_the_671b_recipe(
     saved_bytes = per_process_gib * 2**30 * 128
     assert round(per_process_gib) == 30 and round(saved_bytes / 2**40, 1) == 3.7
     need_s = estimate["step_time_s"] + saved_bytes / 2.4e9
-    assert need_s < _k8s()[1]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == launch.K8S_GRACE_S
+    assert need_s < _k8s()[1]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == launch.STOP_S
+    slurm = launch.render(resolve(RECIPE, ["topology.nodes=16"]), "slurm")
+    assert _sbatch_directives(slurm)["signal"] == f"B:USR1@{launch.STOP_S}"
 
 
 def test_k8s_cpu_recipe_runs_one_process_per_pod_with_launchs_overrides(tmp_path):
