@@ -25,7 +25,7 @@ from maxtext_moe.run import data_position, watchdog
 from maxtext_moe.run.distributed import free_port
 
 # Whole jobs of several attempts: the suite's per-test limit (900 s) is too short for them on a busy 2-core machine.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm"), pytest.mark.timeout(2400)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
 RECIPE = "deepseek3-tiny-cpu"
 STEPS = 12
