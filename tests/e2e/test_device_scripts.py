@@ -276,3 +276,13 @@ def test_a_library_cut_into_carries_is_put_together_only_when_every_part_arrived
     done = call(2, "carry_join lib out.tar.xz")
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "call2/out.tar.xz").read_bytes() == data
+
+
+def test_gpu_tests_run_the_gpu_marked_tests_and_pack_their_log(tmp_path: Path) -> None:
+    proc, calls, archive = run_script(tmp_path, "gpu_tests_h200.sh", "30")
+    assert proc.returncode == 0, proc.stderr
+    assert [c for c in calls if " pytest " in c] == [
+        "CVD=unset PID=unset N=unset -m pytest tests/gpu -m gpu -q -rs -p no:cacheprovider"
+    ]
+    assert "gpu tests: exit 0" in proc.stdout
+    assert {"gpu_tests.log", "gpu.txt"} <= packed(archive)
