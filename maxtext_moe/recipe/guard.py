@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from maxtext_moe.errors import UserError
+from maxtext_moe.recipe import maxtext_keys
 
 ACTIONS = ("stop", "skip", "rollback")
 FIELDS = ("action", "loss_spike", "window", "max_rollbacks")
@@ -94,14 +95,12 @@ def resolve(
     def where(key: str) -> str | None:
         return section[key].source if key in section else None
 
-    for key in OWNED:
-        if maxtext_source(key):
-            raise UserError(
-                "is set by the guard: section, not directly.",
-                key=key,
-                source=maxtext_source(key),
-                fix="remove it and set guard.action / guard.loss_spike / guard.window instead (docs/RECIPES.md).",
-            )
+    maxtext_keys.refuse_owned(
+        OWNED,
+        maxtext_source,
+        "guard",
+        "remove it and set guard.action / guard.loss_spike / guard.window instead (docs/RECIPES.md).",
+    )
     action = section["action"].value if "action" in section else "stop"
     if action not in ACTIONS:
         raise UserError(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import functools
 import importlib.util
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -92,3 +93,11 @@ def model_defaults(model_name: str) -> dict[str, Any]:
         return {}
     with open(path, encoding="utf-8") as f:
         return yaml.safe_load(f) or {}
+
+
+def refuse_owned(owned: Iterable[str], source: Callable[[str], str | None], section: str, fix: str) -> None:
+    """Refuse a MaxText key that a recipe section derives (`source(key)`: where a recipe or override set it, None
+    where none did): two places for one value would let them disagree."""
+    for key in owned:
+        if where := source(key):
+            raise UserError(f"is set by the {section}: section, not directly.", key=key, source=where, fix=fix)

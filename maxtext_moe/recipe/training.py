@@ -36,6 +36,7 @@ from typing import Any, NoReturn
 
 from maxtext_moe.errors import UserError
 from maxtext_moe.recipe.guard import Sourced
+from maxtext_moe.recipe.maxtext_keys import refuse_owned
 from maxtext_moe.recipe.timeline import Timeline
 
 FIELDS = (
@@ -184,14 +185,9 @@ def resolve(
     """The checked section; `value(key)` is a MaxText key's effective value, `source(key)` the file that set it
     (None when no recipe file or override did)."""
     read = _Reader(section, recipe)
-    for key in OWNED:
-        if source(key):
-            raise UserError(
-                "is set by the training: section, not directly.",
-                key=key,
-                source=source(key),
-                fix="remove it; the training section states the schedule (docs/RECIPES.md, 'Training').",
-            )
+    refuse_owned(
+        OWNED, source, "training", "remove it; the training section states the schedule (docs/RECIPES.md, 'Training')."
+    )
     for key in REQUIRED:
         if key not in section:
             read.fail(key, "is missing: a training section states it.", "see docs/RECIPES.md, 'Training'.")
