@@ -40,8 +40,8 @@ def _cell(text: str) -> str:
 def _bench_settings(d: dict) -> str:
     s, moe = d.get("settings") or {}, d.get("moe") or {}
     out = [f"batch {s.get('per_device_batch_size', '?')}"]
-    impl = moe.get("impl") or ("maxtext" if s.get("use_tokamax_gmm") or not moe else "ours")
-    out.append(f"moe.impl={impl}")
+    impl = moe.get("impl")
+    out.append(f"moe.impl={impl}" if impl else "moe section not recorded")
     if impl == "ours" and moe.get("gemm") and moe.get("gemm") != "te":
         out.append(f"moe.gemm={moe['gemm']}")
     if moe.get("fp8") not in (None, "none"):
