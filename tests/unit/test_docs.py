@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import re
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import REPO
@@ -64,3 +66,46 @@ def test_the_results_index_is_what_the_script_writes():
         sys.path.remove(str(REPO / "benchmarks"))
     committed = (REPO / "docs" / "results" / "INDEX.md").read_text(encoding="utf-8")
     assert committed == results_index.render(), "docs/results/INDEX.md is stale: run python benchmarks/results_index.py"
+
+
+# Words that narrate how the project got here instead of saying what the product does: work sessions, numbered
+# device calls, issue numbers, rounds, times of day. History belongs in git; results files keep their names.
+HISTORY = re.compile(r"(?i:\bsessions?\b|\bissues? ?#?\d+|\(issue\b|\bround \d+|\bnight\b)|\b[Cc]all (?:\d+|[A-D])\b")
+# Technical uses of the word that are not history: pytest's fixture scope and a subprocess's new session.
+NOT_HISTORY = ('scope="session"', "start_new_session")
+SCANNED = ("README.md", "docs", "maxtext_moe", "benchmarks", "scripts", "tests", "configs", "recipes")
+
+
+def _tracked_text_files() -> list[Path]:
+    listed = subprocess.run(["git", "ls-files", *SCANNED], cwd=REPO, capture_output=True, text=True, check=True)
+    files = []
+    for name in listed.stdout.splitlines():
+        if name.startswith("docs/results/") and name != "docs/results/INDEX.md":
+            continue  # raw results are data, names and notes as recorded
+        if name == "tests/unit/test_docs.py":
+            continue  # the patterns themselves
+        path = REPO / name
+        if path.suffix in {".gz", ".png", ".xz", ".tar", ".pb"} or not path.is_file():
+            continue
+        files.append(path)
+    return files
+
+
+def test_docs_and_code_speak_of_the_product_not_its_history():
+    offending = []
+    for path in _tracked_text_files():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+        for number, line in enumerate(text.splitlines(), 1):
+            if HISTORY.search(line) and not any(ok in line for ok in NOT_HISTORY):
+                offending.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
+    assert not offending, "history words (say what holds, not when or in which session):\n" + "\n".join(offending)
+
+
+def test_the_history_pattern_catches_what_it_should():
+    for bad in ("the fifth session", "call 2 of 5", "in call D", "issue #15", "(issue 5)", "round 3", "the night's"):
+        assert HISTORY.search(bad), bad
+    for ok in ("Call a function", "36 GEMM calls a step", "a second call does not wrap twice", "recall 2"):
+        assert not HISTORY.search(ok), ok
