@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -109,3 +110,91 @@ def test_the_history_pattern_catches_what_it_should():
         assert HISTORY.search(bad), bad
     for ok in ("Call a function", "36 GEMM calls a step", "a second call does not wrap twice", "recall 2"):
         assert not HISTORY.search(ok), ok
+
+
+RESULTS = REPO / "docs" / "results"
+FIGURE_PAGES = {"README.md": 3, "docs/PERFORMANCE.md": 12, "docs/performance-archive.md": 60}
+
+
+def _tables(text: str) -> list[list[list[str]]]:
+    """Each Markdown table as rows of cells, header first, the separator row left out."""
+    tables, rows = [], []
+    for line in [*text.splitlines(), ""]:
+        if line.startswith("|"):
+            cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+            if not all(re.fullmatch(r":?-+:?", c) for c in cells):
+                rows.append(cells)
+        elif rows:
+            tables.append(rows)
+            rows = []
+    return tables
+
+
+def _number(cell: str) -> float | None:
+    m = re.search(r"-?\d[\d,]*\.?\d*", cell.replace("**", ""))
+    return float(m.group().replace(",", "")) if m else None
+
+
+def _compiled_gib(d: dict) -> float:
+    c = d["compiled"]
+    total = d.get("device_total_bytes") or c.get("device_total_bytes")
+    if total is None:
+        m = c["memory"]
+        total = m["argument_size"] + m["output_size"] + m["temp_size"] - m["alias_size"] + m["generated_code_size"]
+    return total / 2**30
+
+
+# A column's header -> what its figure is, from the row's first results file (and its second, upstream's).
+CHECKS = {
+    "s/step": lambda ours, up: round(ours["step_s_median"], 3),
+    "TFLOPS/GPU": lambda ours, up: round(ours["model_tflops_per_gpu"], 1),
+    "MFU": lambda ours, up: round(100 * ours["mfu_bf16"], 1),
+    "peak GiB": lambda ours, up: round(ours["peak_device_memory_gib"], 1),
+    "upstream's best": lambda ours, up: round(up["model_tflops_per_gpu"], 1),
+    "ratio": lambda ours, up: ours["model_tflops_per_gpu"] / up["model_tflops_per_gpu"],
+    "over upstream's best": lambda ours, up: ours["model_tflops_per_gpu"] / up["model_tflops_per_gpu"],
+    "XLA total GiB": lambda ours, up: round(_compiled_gib(ours), 1),
+    "planned GiB": lambda ours, up: round(ours["planned"]["memory_per_gpu_bytes"] / 2**30, 1),
+}
+
+
+def _check_header(header: str) -> str | None:
+    for name in CHECKS:
+        if header == name or (name == "upstream's best" and header.startswith(name)):
+            return name
+    return None
+
+
+@pytest.mark.parametrize("page", FIGURE_PAGES, ids=lambda p: p)
+def test_every_figure_in_the_tables_comes_from_its_results_file(page):
+    """Each row of a figures table names its results file (ours first, then upstream's where it compares), and
+    every s/step, TFLOPS/GPU, MFU, peak, upstream and ratio cell is that JSON's value as rounded there."""
+    checked, wrong = 0, []
+    for table in _tables((REPO / page).read_text(encoding="utf-8")):
+        header = table[0]
+        raw = next((i for i, h in enumerate(header) if h.startswith("raw JSON")), None)
+        if raw is None:
+            assert "TFLOPS/GPU" not in header, f"{page}: a table of TFLOPS/GPU without a raw JSON column: {header}"
+            continue
+        for row in table[1:]:
+            files = re.findall(r"`([^`]+\.json)`", row[raw])
+            assert files, f"{page}: a row without its results file: {row[0]}"
+            if "{" in files[0]:
+                continue  # a brace pattern names several files: the prose beside it gives their figures
+            data = [json.loads((RESULTS / f).read_text(encoding="utf-8")) for f in files]
+            ours, up = data[0], (data[1] if len(data) > 1 else None)
+            for col, cell in zip(header, row, strict=True):
+                name = _check_header(col)
+                value = _number(cell)
+                if name is None or value is None:
+                    continue
+                if name in ("upstream's best", "ratio", "over upstream's best") and up is None:
+                    wrong.append(f"{row[0]}: {col} {cell} but no upstream results file")
+                    continue
+                expected = CHECKS[name](ours, up)
+                tolerance = 0.006 if "ratio" in name or name.startswith("over") else 1e-9
+                if abs(value - expected) > tolerance:
+                    wrong.append(f"{row[0]}: {col} {cell}, {files[0]} says {expected:.4g}")
+                checked += 1
+    assert not wrong, f"{page}: figures that are not their results file's:\n" + "\n".join(wrong)
+    assert checked >= FIGURE_PAGES[page], f"{page}: only {checked} figures checked; has the table format changed?"
