@@ -198,3 +198,24 @@ def test_every_figure_in_the_tables_comes_from_its_results_file(page):
                 checked += 1
     assert not wrong, f"{page}: figures that are not their results file's:\n" + "\n".join(wrong)
     assert checked >= FIGURE_PAGES[page], f"{page}: only {checked} figures checked; has the table format changed?"
+
+
+SECTION_REF = re.compile(r'((?:docs/)?[A-Za-z-]+\.md),? "([^"]+)"')
+
+
+def test_sections_named_in_prose_exist():
+    """`docs/PLAN.md, "Compiled vs planned"` in a doc, comment or recipe names the start of a heading of that page."""
+    missing = []
+    for path in _tracked_text_files():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+        for page, section in SECTION_REF.findall(text):
+            target = REPO / page if page.startswith("docs/") or page == "README.md" else REPO / "docs" / page
+            if not target.exists():
+                continue
+            headings = re.findall(r"^#+ (.+)$", target.read_text(encoding="utf-8"), flags=re.M)
+            if not any(h.strip("`").startswith(section) for h in headings):
+                missing.append(f"{path.relative_to(REPO)}: {page}, \"{section}\"")
+    assert not missing, "sections named that no heading starts with:\n" + "\n".join(missing)
