@@ -217,5 +217,5 @@ def test_sections_named_in_prose_exist():
                 continue
             headings = re.findall(r"^#+ (.+)$", target.read_text(encoding="utf-8"), flags=re.M)
             if not any(h.strip("`").startswith(section) for h in headings):
-                missing.append(f"{path.relative_to(REPO)}: {page}, \"{section}\"")
+                missing.append(f'{path.relative_to(REPO)}: {page}, "{section}"')
     assert not missing, "sections named that no heading starts with:\n" + "\n".join(missing)
