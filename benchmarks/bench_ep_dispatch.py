@@ -1,6 +1,6 @@
 """Expert-parallel MoE layer over every device of the job: the exchange with and without dedup, timed.
 
-Issue 5 asks for the bytes a token sends in the EP dispatch with and without per-destination-rank dedup,
+It measures the bytes a token sends in the EP dispatch with and without per-destination-rank dedup,
 on two GPUs, where the exchange is the real `jax.lax.ragged_all_to_all` over NVLink. This script runs
 `expert_parallel.ep_moe_forward_sharded` (routing, plan, exchange, grouped GEMMs, exchange back, shared expert)
 forward + backward on DeepSeek-V3 widths with the tokens and experts split over all devices, once sending

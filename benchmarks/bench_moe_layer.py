@@ -1,6 +1,6 @@
 """Time the MoE layer (forward + backward) per grouped-GEMM backend, and MaxText's own block, on one GPU.
 
-Issue 5's yardstick: DeepSeek-V3 widths (emb 7168, expert width 2048, top-8), 32 local experts (the expert
+The yardstick: DeepSeek-V3 widths (emb 7168, expert width 2048, top-8), 32 local experts (the expert
 work of one EP8 rank), BF16, random inputs and parameters (never zeros). For each token count it times
 `jax.grad` of sum(y * cotangent) with respect to the input and all parameters, synchronised, median of
 --iters after --warmup calls; TFLOP/s from counted matmul FLOPs (router, routed experts at top-k, shared

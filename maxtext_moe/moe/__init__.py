@@ -1,4 +1,4 @@
-"""Our own DeepSeek-V3 routed-MoE block (issue 5), one small module per job. Pure JAX: no MaxText imports.
+"""Our own DeepSeek-V3 routed-MoE block, one small module per job. Pure JAX: no MaxText imports.
 
 - `settings`: the recipe's `moe:` section (`MoeSettings`) and how the experts compute (`ExpertPath`); no jax.
 - `routing`: sigmoid scores, bias for selection only, group-limited top-k, renormalised and scaled

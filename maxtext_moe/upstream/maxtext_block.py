@@ -1,6 +1,6 @@
 """MaxText's own `RoutedAndSharedMoE`, built on the same parameters as our layer: the yardstick.
 
-Issue 5's acceptance compares our block with MaxText's best GPU path (`sparse_matmul=true megablox=false
+The benchmarks compare our block with MaxText's best GPU path (`sparse_matmul=true megablox=false
 use_tokamax_gmm=true`) on the same input in the same run, and our tests check that both compute the same
 function. Both need MaxText's block outside a full model; this builds it from MaxText's own config model.
 """

@@ -4,11 +4,11 @@
 #
 # The wheel's two libraries hold kernels for seven architectures; scripts/device/prune_cublas.py keeps sm_90's
 # and xz brings them to about 119 MiB, so they travel in three carries, on one machine held between them (it is
-# given back 30 s after a call; each call below starts within that):
-#   call 1: carry .device and .cublas_0; `source scripts/device/common.sh && source scripts/device/carry_join.sh &&
+# given back 30 s after a run; each run below starts within that):
+#   first run: carry .device and .cublas_0; `source scripts/device/common.sh && source scripts/device/carry_join.sh &&
 #           carry_stash cublas`
-#   call 2: carry .cublas_1; `source scripts/device/carry_join.sh && carry_stash cublas`
-#   call 3: carry .cublas_2 and .device/xprof-stub; `source scripts/device/common.sh &&
+#   second run: carry .cublas_1; `source scripts/device/carry_join.sh && carry_stash cublas`
+#   third run: carry .cublas_2 and .device/xprof-stub; `source scripts/device/common.sh &&
 #           source scripts/device/use_carried_cublas.sh && ...` (the runs; docs/PERFORMANCE.md has them).
 # Usage: scripts/device/build_cublas_carry.sh [DIR]   (DIR holds the three folders; default: the repository root)
 #   CUBLAS_VERSION defaults to the nvidia-cublas pin of pyproject.toml's gpu extra, the cuBLAS the container ships.

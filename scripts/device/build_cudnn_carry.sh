@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Build .cudnn_0, .cudnn_1, ...: a newer cuDNN for the lent H200s, whose image has cuDNN 9.19 and no network.
 # cuDNN runs the proxies' attention (`attention: cudnn_flash_jax`), 18% of the BF16 step in `bench --profile`;
-# scripts/device/cudnn_compare_h200.sh measures the two in one call.
+# scripts/device/cudnn_compare_h200.sh measures the two on one machine.
 #
 # The wheel's ten libraries (876 MiB for 9.28.1) hold kernels for several architectures;
 # scripts/device/prune_cublas.py keeps sm_90's, and xz brings the set to 182 MiB: four carries, on one machine
-# held between them (it is given back 30 s after a call; each call below starts within that):
-#   call 1: carry .device and .cudnn_0 (with the tracked tree, just under 64 MiB);
+# held between them (it is given back 30 s after a run; each run below starts within that):
+#   first run: carry .device and .cudnn_0 (with the tracked tree, just under 64 MiB);
 #           `source scripts/device/common.sh && source scripts/device/carry_join.sh && carry_stash cudnn`
-#   each middle call: carry .cudnn_N; `source scripts/device/carry_join.sh && carry_stash cudnn`
+#   each middle run: carry .cudnn_N; `source scripts/device/carry_join.sh && carry_stash cudnn`
 #   the last: carry the last .cudnn_N and .device/xprof-stub; `source scripts/device/common.sh &&
 #           source scripts/device/use_carried_cudnn.sh && cudnn_use carried && ...` (docs/PERFORMANCE.md).
 # Usage: scripts/device/build_cudnn_carry.sh [DIR]   (DIR holds the folders; default: the repository root)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call on the lent H200 (issue 5): the GPU tests of our MoE layer (BF16 backends and FP8
+# One device run on an H200: the GPU tests of our MoE layer (BF16 backends and FP8
 # current scaling against the float32 reference), then the layer timed with TE in BF16 and in FP8
 # (`moe.fp8: current_scaling`) at 8192 and 16384 tokens. With two GPUs the tests and the timing run side
 # by side, one per GPU. Logs and JSON: $OUT/results.tgz. Usage there: bash scripts/device/moe_fp8_h200.sh

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call on the lent H200 (issue 5): the GPU tests of our MoE layer, then the MoE layer benchmark
+# One device run on an H200: the GPU tests of our MoE layer, then the MoE layer benchmark
 # against MaxText's block (MOE_GPU_TESTS=0 skips the tests). Arguments go to the benchmark.
 # Logs and JSON: $OUT/results.tgz.
 set -uo pipefail

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Second of the two NCCL EP device calls on the 2 x H200 machine (issue 15; the first ran
-# scripts/device/nccl_unpack.sh): with NCCL 2.30.7 from /opt/nccl bound by every library, one call measures
+# Second of the two NCCL EP device runs on a 2 x H200 machine (the first runs
+# scripts/device/nccl_unpack.sh): with NCCL 2.30.7 from /opt/nccl bound by every library, one run measures
 #   - doctor on the two-GPU proxy with moe.exchange=nccl_ep (is NCCL EP usable here?);
 #   - the GPU tests: tests/gpu/test_nccl_ep_gpu.py (our layer through NCCL EP against XLA's all-to-all,
 #     outputs, gradients, the overflow error) and tests/gpu/test_dispatch_gpu.py;
@@ -14,7 +14,7 @@ set -uo pipefail
 steps=${1:-8}; shift || true
 [ -f /opt/nccl/activate.sh ] || { echo "nccl_ep_h200x2: no /opt/nccl; run scripts/device/nccl_unpack.sh first"; exit 2; }
 source scripts/device/common.sh
-# shellcheck disable=SC1091  # unpacked by the first call
+# shellcheck disable=SC1091  # unpacked by the first run
 source /opt/nccl/activate.sh
 proxy=deepseek3-proxy-h200-2gpu
 python3 -m maxtext_moe doctor "$proxy" moe.exchange=nccl_ep > "$W/doctor_nccl_ep.txt" 2>&1

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call on one H200 (issue 14): `maxtext-moe plan RECIPE --compile --json` for each DeepSeek-V3
+# One device run on one H200: `maxtext-moe plan RECIPE --compile --json` for each DeepSeek-V3
 # recipe, every 671B one on JAX's mock GPU topology of its full device count and the proxies, each under
 # its own time limit (PLAN_TIMEOUT seconds, default 150); a failure is logged and the next recipe runs.
 # PLAN_JOBS recipes compile at once (default 1): a compile is mostly one CPU core's work and leaves the GPU's
@@ -10,8 +10,8 @@
 # Usage there: bash scripts/device/plan_compile_h200.sh ["recipes/NAME.yml [key=value ...]" ...]  (default: the
 # proxies, then every 671B recipe; a 671B compile can take many minutes: name a few per call, with PLAN_JOBS to
 # run them together; overrides in the same argument compile a variant, named NAME+key-value)
-# A 671B compile outlasts one call (still running after 545 s on an H200, 2026-12-01). PLAN_DETACH=1 starts the
-# compiles in a process session of their own and returns at once, so the call can go on with other work (the
+# A 671B compile outlasts one device run (still running after 545 s on an H200, 2026-12-01). PLAN_DETACH=1 starts
+# the compiles detached (setsid) and returns at once, so the call can go on with other work (the
 # compiles run no GPU kernels); the next call, within the 30 s the machine stays held, runs
 # `bash scripts/device/plan_compile_h200.sh --collect`, which waits for them (up to PLAN_TIMEOUT s) and packs.
 set -uo pipefail

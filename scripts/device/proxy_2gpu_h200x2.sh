@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call on the lent 2 x H200 machine (kind nvidia-h200-x2; issues 4 and 5): the GPU tests (the
+# One device run on a 2 x H200 machine (kind nvidia-h200-x2): the GPU tests (the
 # real ragged_all_to_all exchange against its emulation, the grouped-GEMM backends), the EP2 MoE layer with and without
 # per-rank dedup (benchmarks/bench_ep_dispatch.py, one process per GPU), then `maxtext-moe bench` of the two-GPU proxy
 # with expert parallelism 2 (our block, TE) and with FSDP 2 (MaxText's block), one process per GPU (or one for both).

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call (issue 4): `maxtext-moe bench` on the one-GPU DeepSeek-V3 proxy, rung by rung, as many
+# One device run: `maxtext-moe bench` on the one-GPU DeepSeek-V3 proxy, rung by rung, as many
 # rungs at once as the machine has GPUs (one process per GPU, pinned with CUDA_VISIBLE_DEVICES; a rung
 # never shares its GPU). A rung may carry bench options too: `--profile` adds where the device time of
 # two warm-up steps went. Logs and JSON: $OUT/results.tgz.
@@ -7,7 +7,7 @@
 # to measure a change against its parent in one call).
 # A rung's first word after its name may name another recipe (a word without "="); the one-GPU proxy otherwise.
 # Usage there: bash scripts/device/proxy_ladder_h200.sh STEPS ["NAME[@DIR] [RECIPE] key=value ..." ...]
-# (no rungs given: the first call's three, upstream tokamax with cuDNN attention through JAX, then TE, then FP8)
+# (no rungs given: three rungs of upstream's block, tokamax with cuDNN attention through JAX, then TE, then FP8)
 set -uo pipefail
 steps=${1:-8}; shift || true
 source scripts/device/common.sh

@@ -193,7 +193,7 @@ def test_plan_compile_takes_overrides_after_a_recipe_as_a_variant_of_its_own(tmp
 
 
 def test_plan_compile_detached_then_collected_by_a_second_call(tmp_path: Path) -> None:
-    """PLAN_DETACH=1 returns at once while the compiles go on in their own session; --collect waits for them."""
+    """PLAN_DETACH=1 returns at once while the compiles go on detached (setsid); --collect waits for them."""
     recipes = [f"recipes/deepseek3-671b-{n}.yml" for n in ("h200-128", "h100-256")]
     proc, _, _ = run_script(tmp_path, "plan_compile_h200.sh", *recipes, PLAN_DETACH="1", PLAN_JOBS="1")
     assert proc.returncode == 0, proc.stderr
