@@ -101,8 +101,11 @@ class MoeSettings:
         return "te" if hw.maxtext_hardware == "gpu" else "ragged_dot"
 
     def to_dict(self) -> dict[str, Any]:
-        """The section as `show` prints it: MaxText's block has no settings of ours besides `impl`."""
-        return asdict(self) if self.ours else {"impl": self.impl}
+        """The section as `show` prints it: MaxText's block has no settings of ours besides `impl` and the
+        model's sequence-wise balance loss, which it computes itself (`recipe.moe_checks.maxtext_keys`)."""
+        if self.ours:
+            return asdict(self)
+        return {"impl": self.impl, SEQ_BALANCE: self.seq_balance_loss_weight}
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> MoeSettings:
@@ -125,8 +128,8 @@ class MoeSettings:
         if impl == "maxtext":
             # An explicit `impl: maxtext` (say, a command-line override of a recipe using ours) drops our
             # block's settings; setting them with no impl at all is a mistake worth a message. The balance
-            # loss weight is the model's (a model fragment pins DeepSeek-V3's), so MaxText's block runs
-            # without it rather than refuse the model.
+            # loss weight is the model's (a model fragment pins DeepSeek-V3's): MaxText's block computes the
+            # same loss with it (`recipe.moe_checks.maxtext_keys`).
             extra = next((k for k in section if k not in ("impl", SEQ_BALANCE)), None)
             exchange = section.get("exchange")
             if "impl" not in section and exchange is not None and exchange.value == "nccl_ep":
@@ -145,7 +148,7 @@ class MoeSettings:
                     source=section[extra].source,
                     fix="set moe.impl: ours, or remove it.",
                 )
-            return cls(impl="maxtext")
+            return cls(impl="maxtext", seq_balance_loss_weight=weight)
         value = {k: v.value for k, v in section.items()} | {SEQ_BALANCE: weight}
         settings = cls(**(value | {"gemm": value.get("gemm", cls.default_gemm(hw))}))
         settings.check(hw, {k: v.source for k, v in section.items()})

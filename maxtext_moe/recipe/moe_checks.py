@@ -28,6 +28,8 @@ class Checker(Protocol):
 def settings(section: Mapping[str, Sourced], check: Checker, topo: Topology) -> MoeSettings:
     """The `moe` section with defaults (`MoeSettings`), and the checks of it against MaxText keys."""
     settings = MoeSettings.from_section(section, topo.profile)
+    if settings.seq_balance_loss_weight > 0:
+        _sequence_balance(f"{settings.seq_balance_loss_weight} ({section[SEQ_BALANCE].source})", check)
     if not settings.ours:
         return settings
     if check.value("decoder_block") != "deepseek":
@@ -94,15 +96,13 @@ def settings(section: Mapping[str, Sourced], check: Checker, topo: Topology) -> 
         )
     if settings.exchange == "nccl_ep":
         _nccl_ep(section, check, topo, expert_parallel, split)
-    if settings.seq_balance_loss_weight > 0:
-        _sequence_balance(f"{settings.seq_balance_loss_weight} ({section[SEQ_BALANCE].source})", check)
     return settings
 
 
 def _sequence_balance(weight: str, check: Checker) -> None:
-    """What our sequence-wise balance loss cannot run beside: MaxText's own balance loss on the same layers
-    (two balance losses, one of them on a router ours replaces), and MaxText's step averaging the layers'
-    losses where DeepSeek-V3 adds them (`maxtext_keys`). `weight`: its value and where it was set."""
+    """What the sequence-wise balance loss cannot run beside, on either block: another balance loss of
+    MaxText's on the same layers, and MaxText's step averaging the layers' losses where DeepSeek-V3 adds them
+    (`maxtext_keys`). `weight`: its value and where it was set."""
     if check.value("load_balance_loss_weight") > 0:
         check.fail(
             "load_balance_loss_weight",
@@ -121,12 +121,17 @@ def _sequence_balance(weight: str, check: Checker) -> None:
 
 
 def maxtext_keys(settings: MoeSettings) -> dict[str, Any]:
-    """MaxText keys that carry out the `moe` section. With a sequence-wise balance loss, each of our layers sows
-    it as `moe_lb_loss`, which MaxText's `loss_fn` adds to the loss: summed over the MoE layers (decoder and
-    MTP, as DeepSeek-V3 and Megatron-LM add each layer's) under `moe_use_megatron_seq_aux_loss`, averaged
-    without. The key changes nothing else while `load_balance_loss_weight` is 0, which `_sequence_balance`
-    requires."""
-    return {"moe_use_megatron_seq_aux_loss": True} if settings.seq_balance_loss_weight > 0 else {}
+    """MaxText keys that carry out the `moe` section's sequence-wise balance loss. Each of our layers sows it as
+    `moe_lb_loss`, which MaxText's `loss_fn` adds to the loss: summed over the MoE layers (decoder and MTP, as
+    DeepSeek-V3 and Megatron-LM add each layer's) under `moe_use_megatron_seq_aux_loss`, averaged without; the
+    key changes nothing else in our block. MaxText's own block computes the same loss itself under that key
+    (`RoutedMoE.megatron_seq_aux_loss`: eq. 18's top-K of the unbiased affinities, P normalized per token,
+    E^2 x mean(f P) = the paper's sum), weighted by its `load_balance_loss_weight`, so a model fragment's alpha
+    trains either block, and comparisons between them run the same loss."""
+    weight = settings.seq_balance_loss_weight
+    if weight <= 0:
+        return {}
+    return {"moe_use_megatron_seq_aux_loss": True} | ({} if settings.ours else {"load_balance_loss_weight": weight})
 
 
 def _nccl_ep(

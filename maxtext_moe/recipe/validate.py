@@ -188,7 +188,8 @@ class _Checker:
                     "routed_bias_update_rate",
                     "is above 0 (DeepSeek-V3's aux-loss-free balancing), but TE's MoE block (te_moe_block) "
                     "does not implement the bias update and would drop it.",
-                    "set routed_bias_update_rate: 0 and say so in the recipe, or turn te_moe_block off.",
+                    "set routed_bias_update_rate: 0 and say so in the recipe (with a training section, also "
+                    "training.bias_update_rate: {0: 0}), or turn te_moe_block off.",
                 )
             if self.value("norm_topk_prob"):
                 self.fail(

@@ -80,7 +80,7 @@ def test_gpu_recipe_on_this_cpu_machine_exits_nonzero_with_fixes():
 
 
 TE_BLOCK = ["moe.impl=maxtext", "te_moe_block=true", "prefuse_moe_weights=true", "te_gmm_quantization=te_no_quant"]
-TE_BLOCK += ["routed_bias_update_rate=0.0", "n_routing_groups=-1"]
+TE_BLOCK += ["routed_bias_update_rate=0.0", "training.bias_update_rate={0: 0}", "n_routing_groups=-1"]
 
 
 def test_h200_with_old_nccl_runs_our_block_and_takes_the_v1_grouped_gemm():

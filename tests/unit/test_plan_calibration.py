@@ -80,7 +80,7 @@ def overrides(result: dict) -> list[str]:
     `settings` holds every key the recipe set when the run was made; a key the recipe has set since
     (e.g. ragged_buffer_factor) ran at MaxText's default. Results written before `bench` recorded the moe
     section ran MaxText's own block; a moe field missing from an older record had not been added yet, and
-    those runs behaved as its `recompute`/`auto` value. The attention section is recorded since it has one."""
+    those runs behaved as its `recompute`/`auto`/0 value. The attention section is recorded since it has one."""
     settings = dict(result["settings"])
     recipe = cli.resolve(result["recipe"], [])
     model_defaults = maxtext_keys.model_defaults(str(settings.get("model_name", "default")))
@@ -88,6 +88,7 @@ def overrides(result: dict) -> list[str]:
         settings[key] = model_defaults.get(key, maxtext_keys.defaults().get(key))
     keys = [f"{k}={json.dumps(v)}" for k, v in settings.items() if k not in NOT_PLANNED]
     moe = dict(result.get("moe") or {"impl": "maxtext"})
+    moe.setdefault("seq_balance_loss_weight", 0)  # records made before the loss was in the model ran without it
     # Records made before attention.residuals had its own section kept it in moe, for our block only.
     attention = result.get("attention") or {"residuals": moe.pop("attention_residuals", "recompute")}
     env = result.get("env") or {}

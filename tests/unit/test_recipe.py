@@ -336,12 +336,21 @@ def test_sequence_balance_loss_weight(tmp_path):
     assert "Fix: keep one" in both and "\n" not in both
     summed = error_of(TINY, "moe.impl=ours", "moe.seq_balance_loss_weight=1e-4", "moe_use_megatron_seq_aux_loss=false")
     assert "moe_use_megatron_seq_aux_loss: is false, but moe.seq_balance_loss_weight is 0.0001" in summed
-    # The 671B model fragment pins it; MaxText's block (the FSDP proxy, or moe.impl=maxtext) runs without it.
-    for maxtexts in (
-        compose_resolve("deepseek3-proxy-h200-2gpu-fsdp"),
-        compose_resolve(TINY, "moe.seq_balance_loss_weight=1"),
+    # The 671B model fragment pins it; MaxText's block (the FSDP proxy, or moe.impl=maxtext) computes the same
+    # loss itself, weighted by its own key; a recipe that sets that key too is refused as above.
+    for maxtexts, weight in (
+        (compose_resolve("deepseek3-proxy-h200-2gpu-fsdp"), 0.0001),
+        (compose_resolve(TINY, "moe.seq_balance_loss_weight=1"), 1.0),
     ):
-        assert maxtexts.moe == {"impl": "maxtext"} and "moe_use_megatron_seq_aux_loss" not in maxtexts.maxtext
+        assert maxtexts.moe == {"impl": "maxtext", "seq_balance_loss_weight": weight}
+        assert maxtexts.maxtext["moe_use_megatron_seq_aux_loss"] is True
+        assert maxtexts.maxtext["load_balance_loss_weight"] == weight
+    assert (
+        "load_balance_loss_weight"
+        not in compose_resolve(TINY, "moe.impl=ours", "moe.seq_balance_loss_weight=1").maxtext
+    )
+    mixed = error_of(TINY, "moe.seq_balance_loss_weight=0.0001", "load_balance_loss_weight=0.01")
+    assert mixed.startswith("command line: load_balance_loss_weight: is 0.01, and moe.seq_balance_loss_weight")
     assert compose_resolve("deepseek3-proxy-h200-1gpu").moe["seq_balance_loss_weight"] == 0.0001
 
 
