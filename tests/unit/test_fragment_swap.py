@@ -6,7 +6,7 @@ import pytest
 
 from maxtext_moe import cli
 from maxtext_moe.errors import UserError
-from maxtext_moe.recipe import composition, maxtext_keys
+from maxtext_moe.recipe import composition, maxtext_keys, show
 
 SWAPPED = "configs/data/prepared.yml (data=prepared on the command line)"
 
@@ -25,7 +25,7 @@ def test_data_prepared_replaces_the_default_recipes_corpus(prepared_corpus) -> N
     assert r.sources["maxtext.learning_rate"] == "recipes/deepseek3-tiny-cpu.yml"  # the recipe's own keys stay
     assert r.maxtext["grain_train_files"].startswith(str(prepared_corpus))
     assert r.maxtext["tokenizer_path"] == str(prepared_corpus / "tokenizer")
-    shown = cli.render_show(r)
+    shown = show.render(r)
     assert f'dataset_type:                   "grain"  # {SWAPPED}' in shown
 
 
