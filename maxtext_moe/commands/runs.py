@@ -5,10 +5,32 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from maxtext_moe.commands import resolve, split_recipe
 from maxtext_moe.errors import UserError
+from maxtext_moe.recipe.resolved import ResolvedRecipe
+from maxtext_moe.upstream import maxtext_errors
+
+
+@contextmanager
+def fit_checked(ref: str, overrides: Sequence[str], resolved: ResolvedRecipe, *, leader: bool) -> Iterator[None]:
+    """The plan's verdict before a GPU run compiles (the `leader` process prints it), and XLA's out-of-memory
+    error, which MaxText reports only after the compile, as the plan's figure and the layouts that fit
+    (plan/fit.py)."""
+    from maxtext_moe.plan import fit
+
+    if leader and (line := fit.warning(ref, overrides, resolved)):
+        print(f"maxtext-moe: {line}", file=sys.stderr)
+    try:
+        yield
+    except Exception as e:
+        found = maxtext_errors.out_of_memory(e)
+        if found and (explained := fit.out_of_memory(found, ref, overrides, resolved)):
+            raise explained from e
+        raise
 
 
 def cmd_train(a: argparse.Namespace) -> int:
@@ -20,7 +42,8 @@ def cmd_train(a: argparse.Namespace) -> int:
     if task_supervisor.wanted(spec.num_processes):  # this task's trainer runs as a child; see task_supervisor
         return task_supervisor.run(a.argv, train.run_paths(resolved).run, spec.process_id)
     try:
-        train.train(resolved, force=a.force, verbose=a.verbose)
+        with fit_checked(ref, overrides, resolved, leader=spec.process_id == 0):
+            train.train(resolved, force=a.force, verbose=a.verbose)
     except train.Stopped as e:
         print(f"maxtext-moe: {e}", file=sys.stderr)
         return e.status  # 128 + the signal (SIGTERM, SIGINT): the run did not finish, and nothing is lost
@@ -36,9 +59,12 @@ def cmd_checkpoints(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
+    from maxtext_moe.run import distributed
     from maxtext_moe.tools import bench
 
-    result = bench.run(resolve(a.recipe, a.overrides), steps=a.steps, warmup=a.warmup, profile=a.profile)
+    resolved = resolve(a.recipe, a.overrides)
+    with fit_checked(a.recipe, a.overrides, resolved, leader=distributed.detect().process_id == 0):
+        result = bench.run(resolved, steps=a.steps, warmup=a.warmup, profile=a.profile)
     if result is None:  # not the reporting process of a multi-process run
         return 0
     if a.out:
