@@ -7,255 +7,16 @@ exit status 2. `--traceback` shows the full stack for those and for everything e
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import traceback
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
 
 from maxtext_moe import __version__
+from maxtext_moe.commands import DEFAULT_RECIPE, files, planning, recipes, resolve, runs
 from maxtext_moe.errors import UserError, brief, root_cause
-from maxtext_moe.recipe import advice, composition, training
-from maxtext_moe.recipe.resolved import ResolvedRecipe
 from maxtext_moe.upstream import maxtext_errors
 
-DEFAULT_RECIPE = "deepseek3-tiny-cpu"
-
-
-def resolve(ref: str, overrides: Sequence[str]) -> ResolvedRecipe:
-    from maxtext_moe.recipe.validate import resolve as _resolve
-
-    return _resolve(composition.compose(ref, overrides))
-
-
-def _split_recipe(args: list[str]) -> tuple[str, list[str]]:
-    """`[RECIPE] [key=value ...]`: a first word without '=' names the recipe."""
-    if args and "=" not in args[0]:
-        return args[0], args[1:]
-    return DEFAULT_RECIPE, args
-
-
-def _yaml_scalar(value: Any) -> str:
-    return json.dumps(value) if isinstance(value, str) else json.dumps(value, default=str)
-
-
-def render_show(r: ResolvedRecipe) -> str:
-    """The resolved recipe as YAML, each value annotated with the file or override it came from."""
-    lines = [f"# recipe {r.name}: {r.description}", f"# composed from: {', '.join(r.files)}"]
-    t = r.topology
-    lines += [
-        "topology:",
-        f"  hardware: {t.hardware}  # {r.sources.get('topology.hardware', '')}",
-        f"  nodes: {t.nodes}  # {r.sources.get('topology.nodes', 'default')}",
-        f"  gpus_per_node: {t.gpus_per_node}  # {r.sources.get('topology.gpus_per_node', 'hardware default')}",
-        f"  # {t.num_devices} device(s) in all",
-    ]
-    for section, values, prefix in (
-        ("maxtext", r.maxtext, "maxtext"),
-        ("env", r.env, "env"),
-        ("corpus", r.corpus or {}, "corpus"),
-        ("moe", r.moe, "moe"),
-        ("attention", r.attention, "attention"),
-        ("guard", r.guard, "guard"),
-        ("job", r.job, "job"),
-    ):
-        if not values:
-            continue
-        lines.append(f"{section}:")
-        width = max(len(k) for k in values) + 2
-        for key in sorted(values):
-            src = r.sources.get(f"{prefix}.{key}", "derived from xla_flags" if key == "XLA_FLAGS" else "")
-            lines.append(f"  {(key + ':').ljust(width)} {_yaml_scalar(values[key])}  # {src}")
-    if r.training_settings is not None:
-        lines += training.show_lines(r.training_settings, r.sources, int(r.effective("steps")))
-    lines += [f"# {note}" for note in advice.notes(r)]
-    return "\n".join(lines)
-
-
-def cmd_list(_: argparse.Namespace) -> int:
-    """Recipes by the cluster they are written for (hardware x GPUs), so a user picks the row of their own."""
-    rows = []
-    for name in composition.recipe_names():
-        t = resolve(name, []).topology
-        desc = str(composition.load_yaml(composition.find_recipe(name)).get("description", "")).split()
-        rows.append((t.hardware, t.num_devices, name + (" (default)" if name == DEFAULT_RECIPE else ""), desc))
-    rows.sort(key=lambda r: (r[0] != "cpu", r[1] > 2, r[0], r[1], r[2]))
-    width = max(len(r[2]) for r in rows) + 2
-    print(f"{'cluster':<14}{'recipe':<{width}}what")
-    for hardware, devices, name, desc in rows:
-        summary = " ".join(desc)
-        cut = summary[:100].rsplit(" ", 1)[0] + " ..." if len(summary) > 100 else summary
-        print(f"{f'{devices} x {hardware}':<14}{name:<{width}}{cut}")
-    print(
-        "\nPick the row of your GPU type; another size of cluster is an override (topology.nodes=N), and "
-        "`maxtext-moe plan RECIPE --gpus N` checks that it fits before you launch."
-    )
-    return 0
-
-
-def cmd_show(a: argparse.Namespace) -> int:
-    resolved = resolve(a.recipe, a.overrides)
-    print(json.dumps(resolved.to_dict(), indent=2, default=str) if a.json else render_show(resolved))
-    return 0
-
-
-def cmd_train(a: argparse.Namespace) -> int:
-    from maxtext_moe.run import distributed, task_supervisor, train
-
-    ref, overrides = _split_recipe(a.args)
-    resolved = resolve(ref, overrides)
-    spec = distributed.detect()
-    if task_supervisor.wanted(spec.num_processes):  # this task's trainer runs as a child; see task_supervisor
-        return task_supervisor.run(a.argv, train.run_paths(resolved).run, spec.process_id)
-    try:
-        train.train(resolved, force=a.force, verbose=a.verbose)
-    except train.Stopped as e:
-        print(f"maxtext-moe: {e}", file=sys.stderr)
-        return e.status  # 128 + the signal (SIGTERM, SIGINT): the run did not finish, and nothing is lost
-    return 0
-
-
-def cmd_checkpoints(a: argparse.Namespace) -> int:
-    from maxtext_moe.run import run_dir, train
-
-    ref, overrides = _split_recipe(a.args)
-    print(run_dir.describe(train.run_paths(resolve(ref, overrides)).run))
-    return 0
-
-
-def cmd_bench(a: argparse.Namespace) -> int:
-    from maxtext_moe.tools import bench
-
-    result = bench.run(resolve(a.recipe, a.overrides), steps=a.steps, warmup=a.warmup, profile=a.profile)
-    if result is None:  # not the reporting process of a multi-process run
-        return 0
-    if a.out:
-        bench.write_json(result, Path(a.out))
-    print(json.dumps(result.to_json(), indent=2, default=str) if a.json else result.render())
-    if not result.loss_finite_and_falling:
-        raise UserError(
-            f"the loss was not finite and falling over the timed steps ({result.loss_first:.4f} -> "
-            f"{result.loss_last:.4f}); a benchmark of a model that does not learn is void.",
-            fix="check the learning rate and the data.",
-        )
-    return 0
-
-
-def cmd_doctor(a: argparse.Namespace) -> int:
-    from maxtext_moe.tools import doctor
-
-    ref, overrides = _split_recipe(a.args)
-    return doctor.run(resolve(ref, overrides), as_json=a.json)
-
-
-def cmd_launch(a: argparse.Namespace) -> int:
-    from maxtext_moe.tools import launch
-
-    if a.k8s and (a.runtime != "pyxis" or a.venv):
-        raise UserError(
-            "--runtime and --venv are for --slurm: a Kubernetes pod runs the image's maxtext-moe.",
-            key="--k8s",
-            fix="leave them out with --k8s.",
-        )
-    resolved = resolve(a.recipe, [*a.overrides, f"topology.nodes={a.nodes * (a.tasks_per_node or 1)}"])
-    if not a.skip_fit_check:
-        launch.check_fits(resolved)
-    text = launch.render(
-        resolved,
-        "slurm" if a.slurm else "k8s",
-        image=a.image,
-        time=a.time,
-        runtime=a.runtime,
-        venv=a.venv,
-        max_restarts=a.max_restarts,
-        tasks_per_node=a.tasks_per_node,
-        warning_s=a.warning,
-        overrides=a.overrides,
-    )
-    print(text, end="")
-    return 0
-
-
-def cmd_report(a: argparse.Namespace) -> int:
-    from maxtext_moe.run import job_report, train
-
-    ref, overrides = _split_recipe(a.args)
-    text, repeats = job_report.line(train.run_paths(resolve(ref, overrides)).run)
-    print(text)
-    return job_report.USER_ERROR if repeats else 0
-
-
-def cmd_plan(a: argparse.Namespace) -> int:
-    from maxtext_moe import plan
-
-    resolved = resolve(a.recipe, a.overrides)
-    if a.compile:
-        if a.search or a.gpus or a.gpu_type:
-            raise UserError(
-                "--compile compiles the recipe's own topology; it does not take --search, --gpus or --gpu-type.",
-                key="--compile",
-                fix="set the layout with overrides instead, e.g. topology.nodes=16.",
-            )
-        from maxtext_moe.plan import compiled
-
-        fit = compiled.run(a.recipe, a.overrides, resolved)
-        print(json.dumps(fit.to_json(), indent=2) if a.json else fit.render())
-        return 0
-    if a.search:
-        ranked = plan.search.rank(resolved, gpus=a.gpus, gpu_type=a.gpu_type)
-        print(json.dumps([p.to_json() for p in ranked], indent=2) if a.json else plan.search.render(ranked))
-        return 0
-    result = plan.estimate(resolved, gpus=a.gpus, gpu_type=a.gpu_type)
-    settings = resolved.training_settings
-    cost = None if settings is None else plan.budget.of(result, settings, int(resolved.effective("steps")))
-    if a.json:
-        print(json.dumps(result.to_json() | ({"budget": cost.to_json()} if cost else {}), indent=2))
-    else:
-        print(result.render() + ("" if cost is None else "\n" + cost.render()))
-    return 0
-
-
-def cmd_data_prepare(a: argparse.Namespace) -> int:
-    from maxtext_moe.data import prepare
-
-    try:
-        m = prepare.prepare(
-            [Path(p) for p in a.sources], Path(a.tokenizer), Path(a.out), a.shards, a.workers, a.field, log=print
-        )
-    except KeyboardInterrupt:
-        print(f"\nmaxtext-moe: interrupted; finished shards are kept in {a.out}, the same command resumes.")
-        return 130
-    print(f"{a.out}: {m['documents']:,} documents, {m['tokens']:,} tokens in {m['shards']} shard(s)")
-    return 0
-
-
-def _conversion_interrupted(out: str) -> int:
-    """Ctrl-C during a conversion: its output is still under OUT.partial, which the next run replaces."""
-    print(f"\nmaxtext-moe: interrupted; nothing was written to {out}, the same command starts again.")
-    return 130
-
-
-def cmd_convert_to_orbax(a: argparse.Namespace) -> int:
-    from maxtext_moe.convert import to_orbax
-
-    try:
-        to_orbax.convert(Path(a.src), Path(a.out), resolve(a.recipe, a.overrides))
-    except KeyboardInterrupt:
-        return _conversion_interrupted(a.out)
-    return 0
-
-
-def cmd_convert_to_hf(a: argparse.Namespace) -> int:
-    from maxtext_moe.convert import to_hf
-
-    try:
-        to_hf.convert(
-            Path(a.run_dir), Path(a.out), resolve(a.recipe, a.overrides), a.step, int(a.max_shard_gib * 2**30)
-        )
-    except KeyboardInterrupt:
-        return _conversion_interrupted(a.out)
-    return 0
+__all__ = ["main", "parser", "resolve"]  # resolve: a recipe as every command reads it, for tests and scripts
 
 
 def parser() -> argparse.ArgumentParser:
@@ -276,13 +37,13 @@ def parser() -> argparse.ArgumentParser:
         help="if the run folder holds another recipe's checkpoints, set them aside (renamed) and start fresh",
     )
     t.add_argument("--verbose", action="store_true", help="stream MaxText's full log to the terminal")
-    t.set_defaults(func=cmd_train)
+    t.set_defaults(func=runs.cmd_train)
 
     s = sub.add_parser("show", help="print the resolved configuration with where each value came from")
     s.add_argument("recipe", help="recipe name or .yml path")
     s.add_argument("overrides", nargs="*", metavar="key=value")
     s.add_argument("--json", action="store_true", help="machine-readable output")
-    s.set_defaults(func=cmd_show)
+    s.set_defaults(func=recipes.cmd_show)
 
     pl = sub.add_parser("plan", help="memory, FLOPs, communication and step time per GPU, before launch")
     pl.add_argument("recipe", help="recipe name or .yml path")
@@ -297,12 +58,12 @@ def parser() -> argparse.ArgumentParser:
         "devices without a GPU) and set XLA's per-device memory beside the plan",
     )
     pl.add_argument("--json", action="store_true", help="machine-readable output")
-    pl.set_defaults(func=cmd_plan)
+    pl.set_defaults(func=planning.cmd_plan)
 
     d = sub.add_parser("doctor", help="what the recipe needs (GPU, TE, NCCL, FP8) against what this machine has")
     d.add_argument("args", nargs="*", metavar="[RECIPE] [key=value]", help="recipe name or .yml path, then overrides")
     d.add_argument("--json", action="store_true", help="machine-readable output")
-    d.set_defaults(func=cmd_doctor)
+    d.set_defaults(func=planning.cmd_doctor)
 
     la = sub.add_parser(
         "launch",
@@ -346,7 +107,7 @@ def parser() -> argparse.ArgumentParser:
         help="print the job even when the planner's memory estimate says it does not fit (it is an "
         "estimate; docs/PLAN.md gives its measured error)",
     )
-    la.set_defaults(func=cmd_launch)
+    la.set_defaults(func=planning.cmd_launch)
 
     b = sub.add_parser("bench", help="time warm-up + N real training steps and report them against the plan")
     b.add_argument("recipe", help="recipe name or .yml path")
@@ -356,15 +117,15 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--profile", action="store_true", help="trace warm-up steps 1-2: device time by stage of the step")
     b.add_argument("--json", action="store_true", help="machine-readable output")
     b.add_argument("--out", help="also write the JSON result to this file")
-    b.set_defaults(func=cmd_bench)
+    b.set_defaults(func=runs.cmd_bench)
 
     rp = sub.add_parser("report", help="one line: what ended a job's last attempt, and the checkpoint it resumes from")
     rp.add_argument("args", nargs="*", metavar="[RECIPE] [key=value]", help=f"as for train (default {DEFAULT_RECIPE})")
-    rp.set_defaults(func=cmd_report)
+    rp.set_defaults(func=runs.cmd_report)
 
     c = sub.add_parser("checkpoints", help="list a run's Orbax checkpoints, their state and what a re-run resumes from")
     c.add_argument("args", nargs="*", metavar="[RECIPE] [key=value]", help=f"as for train (default {DEFAULT_RECIPE})")
-    c.set_defaults(func=cmd_checkpoints)
+    c.set_defaults(func=runs.cmd_checkpoints)
 
     da = sub.add_parser("data", help="prepare a corpus of your own text for training")
     dp = da.add_subparsers(dest="data_command", required=True, metavar="SUBCOMMAND").add_parser(
@@ -378,7 +139,7 @@ def parser() -> argparse.ArgumentParser:
     dp.add_argument("--shards", type=int, help="number of shard files, at most (default: one per 256 MiB of input)")
     dp.add_argument("--workers", type=int, help="tokenizing processes (default: all cores)")
     dp.add_argument("--field", default="text", help="JSONL field / Parquet column with the text (default %(default)s)")
-    dp.set_defaults(func=cmd_data_prepare)
+    dp.set_defaults(func=files.cmd_data_prepare)
 
     cv = sub.add_parser("convert", help="Hugging Face DeepSeek-V3 checkpoints <-> Orbax, in bounded memory")
     cvs = cv.add_subparsers(dest="convert_command", required=True, metavar="SUBCOMMAND")
@@ -395,7 +156,7 @@ def parser() -> argparse.ArgumentParser:
     ho.add_argument("out", metavar="OUT", help="the Orbax folder to write (must not exist)")
     ho.add_argument("--recipe", required=True, help="the recipe whose model the checkpoint is for")
     ho.add_argument("overrides", nargs="*", metavar="key=value")
-    ho.set_defaults(func=cmd_convert_to_orbax)
+    ho.set_defaults(func=files.cmd_convert_to_orbax)
     oh = cvs.add_parser(
         "orbax-to-hf",
         help="a run's Orbax checkpoint (or an hf-to-orbax folder) -> BF16 safetensors, index and config.json",
@@ -412,10 +173,10 @@ def parser() -> argparse.ArgumentParser:
     oh.add_argument("--step", type=int, help="the checkpoint step to convert (default: the latest complete one)")
     oh.add_argument("--max-shard-gib", type=float, default=5.0, help="largest safetensors shard (default 5 GiB)")
     oh.add_argument("overrides", nargs="*", metavar="key=value")
-    oh.set_defaults(func=cmd_convert_to_hf)
+    oh.set_defaults(func=files.cmd_convert_to_hf)
 
     ls = sub.add_parser("list", help="list the recipes")
-    ls.set_defaults(func=cmd_list)
+    ls.set_defaults(func=recipes.cmd_list)
     return p
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from maxtext_moe.errors import UserError
+from maxtext_moe.recipe import composition
 
 MANIFEST = "manifest.json"
 PREPARE = "maxtext-moe data prepare SRC... --tokenizer PATH --out /data/corpus"
@@ -28,21 +29,23 @@ def _reads_prepared(maxtext: dict[str, Any]) -> bool:
     )
 
 
-def require_train_files(maxtext: dict[str, Any], recipe: str) -> None:
+def require_train_files(maxtext: dict[str, Any], sources: dict[str, str], recipe: str) -> None:
     """Refuse to train pre-tokenized data without `grain_train_files`, before anything is written.
 
     Checked when a run starts, not when the recipe resolves: `show`, `plan`, `list` and `launch` describe a
-    recipe before the corpus exists. `recipe` is the recipe's file (`recipes/NAME.yml` or a user's path).
+    recipe before the corpus exists. `recipe` is the recipe's file (`recipes/NAME.yml` or a user's path); the
+    fix repeats a `data=prepared` that swapped the recipe's data fragment on the command line.
     """
     if not _reads_prepared(maxtext) or maxtext.get("grain_train_files"):
         return
     ref = Path(recipe).stem if recipe.startswith("recipes/") else recipe
+    swap = composition.swap_in(sources.get("maxtext.tokenize_train_data"))
     raise UserError(
         "is not set; this recipe trains on a corpus of yours, prepared once by `maxtext-moe data prepare`.",
         key="grain_train_files",
         source=recipe,
-        fix=f"maxtext-moe train {ref} grain_train_files=/data/corpus/*.array_record (a folder written by "
-        f"`{PREPARE}`; the folder itself works too).",
+        fix=f"maxtext-moe train {ref} {swap + ' ' if swap else ''}grain_train_files=/data/corpus/*.array_record (a "
+        f"folder written by `{PREPARE}`; the folder itself works too).",
     )
 
 

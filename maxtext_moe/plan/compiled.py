@@ -3,16 +3,8 @@
 The analytical plan (`memory`) is arithmetic; XLA's buffer assignment is what a run gets. This compiles
 the step MaxText trains for the recipe's full device count without those devices (`upstream.aot`, in a
 subprocess that gets the recipe's environment before jax starts) and sets `compiled.memory_analysis()`
-beside the plan. Three routes, chosen by what this machine has:
-
-- `gpu`: JAX's mock GPU topology over this machine's NVIDIA GPUs (XLA's GPU compiler, the recipe as is).
-  Sharded autotuning is switched off: a sharded compile under the mock topology waits for peers that
-  do not exist.
-- `gpu-aot`: on a machine without GPUs that has JAX's CUDA plugin (the `gpu` extra), XLA:GPU's deviceless
-  compile for the recipe's GPU kind and count (`upstream/deviceless.py`, the recipe as is).
-- `cpu`: N XLA:CPU host devices, with the recipe's hardware switched to what compiles there (our MoE
-  block on `ragged_dot`, `dot_product` attention, no TE, no FP8). Its buffers are the CPU compiler's: how
-  far they sit from a GPU compile's is unknown until the two are measured on the same recipe.
+beside the plan, on the route `compile_route` chooses for this machine (mock GPU topology, XLA:GPU
+deviceless, or XLA:CPU devices).
 """
 
 from __future__ import annotations
@@ -31,16 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from maxtext_moe.errors import UserError
-from maxtext_moe.plan import exchange_overlap, layout, memory, peak, scheduler_limit
+from maxtext_moe.plan import compile_route, exchange_overlap, layout, memory, peak, scheduler_limit
 from maxtext_moe.plan.model import Model
 from maxtext_moe.recipe import composition, maxtext_keys, validate, xla_flags
 from maxtext_moe.recipe.resolved import ResolvedRecipe
 from maxtext_moe.upstream import deviceless
 
 GIB = 2**30
-# XLA:CPU compiles one SPMD program whatever N is, but its partitioner and collective passes grow with the
-# device count; beyond this many host devices the compile is refused rather than left to run for hours.
-MAX_CPU_DEVICES = 256
 # A 671B step compiled for more than 18 minutes on an H200 host (docs/PLAN.md) and longer on a small CPU
 # machine; a compile shows progress every PROGRESS_EVERY_S and stops on Ctrl-C, so the limit only ends a hang.
 COMPILE_TIMEOUT_S = 4 * 3600
@@ -49,143 +38,9 @@ PROGRESS_EVERY_S = 30.0
 _DUMP_TO = re.compile(r"--xla_dump_to=(\S+)")
 # JAX's own phase timings, logged by `upstream.aot` with `jax_log_compiles` on.
 _PHASE = re.compile(r"Finished ([^\n]*?) in ([0-9.]+) sec")
-# What XLA:GPU needs under the mock topology; see the module docstring. Autotuning is off altogether: it
-# times candidate kernels on the real GPU, which would disturb anything else running there, and only picks
-# among kernels; the one-GPU proxy's compiled total with and without it is in docs/PLAN.md.
-MOCK_GPU_FLAGS = "--xla_gpu_shard_autotuning=false --xla_gpu_autotune_level=0"
-# The switches that make a GPU recipe compile on XLA:CPU (see the module docstring).
-CPU_SWITCHES = (
-    "topology.hardware=cpu",
-    "moe.impl=ours",
-    "moe.gemm=ragged_dot",
-    "moe.fp8=none",
-    "attention.residuals=recompute",
-    "attention=dot_product",
-    "te_moe_block=false",
-    "prefuse_moe_weights=false",
-    "use_tokamax_gmm=false",
-    "quantization=''",
-)
 
 
-@dataclass(frozen=True)
-class Route:
-    name: str  # "gpu" (mock topology), "gpu-aot" (deviceless) or "cpu"
-    description: str
-    overrides: tuple[str, ...]  # added to the user's before the recipe is resolved for the compile
-    env: dict[str, str]
-    mock_gpu_topology: str | None
-    deviceless_topology: str | None = None  # "slices x hosts x GPUs" of the recipe's GPU kind, no device here
-
-
-def local_gpus() -> int:
-    """NVIDIA GPUs this process may use (0 without a driver), counted without starting jax in this process:
-    `CUDA_VISIBLE_DEVICES` when set (the mock topology's GPUs per host must be the ones jax will see)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
-    if shutil.which("nvidia-smi") is None:
-        return 0
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60, check=True).stdout
-    except (subprocess.SubprocessError, OSError):
-        return 0
-    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
-
-
-def _data_stand_in(r: ResolvedRecipe) -> tuple[str, ...]:
-    """Synthetic batches for a recipe whose prepared corpus is not named yet: MaxText's config refuses Grain
-    without files, and the compiled step sees only the batch's shapes, which the corpus does not change."""
-    reads_prepared = r.maxtext.get("dataset_type") == "grain" and r.maxtext.get("tokenize_train_data") is False
-    return ("dataset_type=synthetic",) if reads_prepared and not r.maxtext.get("grain_train_files") else ()
-
-
-def choose_route(r: ResolvedRecipe, gpus_here: int, deviceless_ok: bool = False) -> Route:
-    """The mock GPU topology where this machine has GPUs and the recipe is for GPUs; without GPUs, XLA:GPU's
-    deviceless compile when JAX's CUDA plugin is installed (`deviceless_ok`); else XLA:CPU devices."""
-    n = r.topology.num_devices
-    data = _data_stand_in(r)
-    gpu_recipe = r.topology.profile.maxtext_hardware == "gpu"
-    # MaxText bootstraps TE's NCCL EP before a te_moe_block step: real communicators between real processes.
-    # Without a GPU such a recipe takes the CPU route, which switches the block off.
-    te_moe_block = bool(r.effective("te_moe_block"))
-    if gpu_recipe and gpus_here and te_moe_block:
-        raise UserError(
-            "a recipe with TE's MoE block (te_moe_block) cannot be compiled on the mock GPU topology: MaxText "
-            "bootstraps TE's NCCL EP before the step (max_utils.maybe_bootstrap_te_moe), which opens real NCCL "
-            "communicators between real processes.",
-            key="te_moe_block",
-            fix="compile it without GPUs (CUDA_VISIBLE_DEVICES='', the CPU route switches the block off), or "
-            "run one step on the cluster (train RECIPE steps=1).",
-        )
-    flags = " ".join([r.env.get("XLA_FLAGS", os.environ.get("XLA_FLAGS", "")), MOCK_GPU_FLAGS]).strip()
-    if gpu_recipe and gpus_here:
-        if n % gpus_here:
-            raise UserError(
-                f"the recipe's {n} GPUs are not a whole number of hosts of this machine's {gpus_here} GPU(s): "
-                "the mock topology repeats this machine's GPUs per host.",
-                key="topology",
-                fix=f"compile on a machine whose GPU count divides {n}, or without GPUs (CUDA_VISIBLE_DEVICES='').",
-            )
-        topo = f"1x{n // gpus_here}x{gpus_here}"
-        return Route(
-            "gpu",
-            f"XLA:GPU on a mock topology {topo} ({n} devices, {n // gpus_here} processes) of this machine's GPU kind; "
-            "nothing executed",
-            data,
-            {"XLA_FLAGS": flags},
-            topo,
-        )
-    if gpu_recipe and deviceless_ok and not te_moe_block:
-        hw, per_node = r.topology.profile, r.topology.gpus_per_node
-        topo = f"1x{n // per_node}x{per_node}" if n % per_node == 0 else f"1x1x{n}"
-        # TE's attention asks the GPU driver which fused kernel it has while the step is traced; JAX's cuDNN
-        # flash attention (the Hopper recipes' kernel, also linear in the sequence) compiles without one.
-        te_attention = r.effective("attention") == "cudnn_flash_te"
-        return Route(
-            "gpu-aot",
-            f"XLA:GPU deviceless for {n} {hw.name.upper()} GPUs (topology {topo}, SM "
-            f"{'.'.join(map(str, hw.compute_capability or ()))}) on a "
-            "machine without them; nothing executed, the dropless/overflow host checks left out"
-            + (
-                "; JAX's cuDNN flash attention in place of TE's attention, which asks a GPU driver for its kernel"
-                if te_attention
-                else ""
-            ),
-            (*data, *(("attention=cudnn_flash_jax",) if te_attention else ())),
-            {
-                "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={n}",  # MaxText's device count
-                "JAX_PLATFORMS": "cpu",
-                "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1",  # the plugin's library check needs a driver
-            },
-            None,
-            topo,
-        )
-    if n > MAX_CPU_DEVICES:
-        raise UserError(
-            f"compiling for {n} devices on the CPU is refused here (at most {MAX_CPU_DEVICES} XLA:CPU devices; "
-            "no NVIDIA GPU was found for the mock GPU topology).",
-            key="--compile",
-            fix="run it on a machine with an NVIDIA GPU, or compile a smaller layout of the recipe "
-            "(e.g. topology.nodes=... overrides).",
-        )
-    switches = () if r.topology.profile.maxtext_hardware == "cpu" else CPU_SWITCHES
-    return Route(
-        "cpu",
-        f"XLA:CPU with {n} host devices"
-        + (
-            ", the recipe switched to CPU kernels (our block on ragged_dot, dot_product attention, no TE/FP8)"
-            if switches
-            else ""
-        )
-        + "; its bias against a GPU compile is unknown until measured",
-        (*switches, *data, "topology.nodes=1", f"topology.gpus_per_node={n}"),
-        {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"},
-        None,
-    )
-
-
-def _env(compiled: ResolvedRecipe, route: Route) -> dict[str, str]:
+def _env(compiled: ResolvedRecipe, route: compile_route.Route) -> dict[str, str]:
     env = dict(os.environ, **compiled.env)
     env.setdefault("MAXTEXT_ASSETS_ROOT", str(maxtext_keys.assets_dir()))
     env.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -217,7 +72,7 @@ def _say_progress(out: Callable[[str], None], name: str, seconds: float, log: Pa
 
 def compile_in_subprocess(
     compiled: ResolvedRecipe,
-    route: Route,
+    route: compile_route.Route,
     timeout_s: int = COMPILE_TIMEOUT_S,
     progress: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
     every_s: float = PROGRESS_EVERY_S,
@@ -286,7 +141,7 @@ def device_total(mem: dict[str, int], prefix: str = "") -> int:
 @dataclass(frozen=True)
 class CompiledPlan:
     recipe: str
-    route: Route
+    route: compile_route.Route
     planned: memory.Memory
     planned_layout: str
     result: dict[str, Any]
@@ -390,8 +245,8 @@ def read_exchange(r: ResolvedRecipe) -> exchange_overlap.ExchangeOverlap | None:
 
 def run(ref: str, overrides: Sequence[str], r: ResolvedRecipe, *, gpus_here: int | None = None) -> CompiledPlan:
     """Compile `ref` with `overrides` (already resolved as `r`) and set it beside `r`'s analytical memory."""
-    gpus = local_gpus() if gpus_here is None else gpus_here
-    route = choose_route(r, gpus, deviceless_ok=not gpus and deviceless.available())
+    gpus = compile_route.local_gpus() if gpus_here is None else gpus_here
+    route = compile_route.choose_route(r, gpus, deviceless_ok=not gpus and deviceless.available())
     compiled = validate.resolve(composition.compose(ref, [*overrides, *route.overrides]))
     lay = layout.from_recipe(r)
     result = compile_in_subprocess(compiled, route)

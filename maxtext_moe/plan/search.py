@@ -7,6 +7,8 @@ keeping EP inside one NVLink domain and dividing the experts, and PP dividing th
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from maxtext_moe.plan import layout as layout_mod
 from maxtext_moe.plan.estimate import GIB, Plan, evaluate
 from maxtext_moe.plan.layout import REMAT_TENSORS
@@ -23,20 +25,31 @@ REMAT_CHOICES: dict[str, dict[str, str]] = {
 }
 
 
-def rank(r: ResolvedRecipe, gpus: int | None = None, gpu_type: str | None = None, top: int = 10) -> list[Plan]:
-    """The `top` fitting layouts, fastest (TFLOPS/GPU) first."""
+def remat_policies() -> dict[str, dict[str, str]]:
+    """The search's remat policies, each as where every named tensor lives (device, offload or remat)."""
+    return {name: {t: choice.get(t, "remat") for t in REMAT_TENSORS} for name, choice in REMAT_CHOICES.items()}
+
+
+def candidates(
+    r: ResolvedRecipe,
+    gpus: int | None = None,
+    gpu_type: str | None = None,
+    remat_choices: dict[str, dict[str, str]] | None = None,
+) -> Iterator[Plan]:
+    """Every layout of the search, fitting or not, each with its plan. `remat_choices` (name -> tensor ->
+    device, offload or remat) replaces the search's own policies."""
     base = layout_mod.from_recipe(r, gpus, gpu_type)
     m = Model.from_recipe(r)
     groups, topk_groups = int(r.effective("n_routing_groups")), int(r.effective("topk_routing_group"))
     domain = min(base.hardware.nvlink_domain, base.devices)
-    fitting = []
+    policies = remat_choices or remat_policies()
     for ep in (e for e in range(1, domain + 1) if m.experts % e == 0 and domain % e == 0):
         for pp in (p for p in PIPELINE_STAGES if m.moe_layers % p == 0):
             if base.devices % (ep * pp * base.tp * base.dp):
                 continue
             fsdp = base.devices // (ep * pp * base.tp * base.dp)
             for batch in BATCHES:
-                for name, choice in REMAT_CHOICES.items():
+                for name, policy in policies.items():
                     lay = base.replace(
                         ep=ep,
                         pp=pp,
@@ -44,11 +57,14 @@ def rank(r: ResolvedRecipe, gpus: int | None = None, gpu_type: str | None = None
                         batch=float(batch),
                         remat_name=name,
                         microbatches=max(base.microbatches, 2 * pp) if pp > 1 else 1,
-                        remat={t: choice.get(t, "remat") for t in REMAT_TENSORS},
+                        remat=policy,
                     )
-                    plan = evaluate(r.name, m, lay, groups, topk_groups)
-                    if plan.fits:
-                        fitting.append(plan)
+                    yield evaluate(r.name, m, lay, groups, topk_groups)
+
+
+def rank(r: ResolvedRecipe, gpus: int | None = None, gpu_type: str | None = None, top: int = 10) -> list[Plan]:
+    """The `top` fitting layouts, fastest (TFLOPS/GPU) first."""
+    fitting = [plan for plan in candidates(r, gpus, gpu_type) if plan.fits]
     return sorted(fitting, key=lambda p: -p.tflops_per_gpu)[:top]
 
 

@@ -22,6 +22,9 @@ File format (recipes and fragments alike; every section optional):
     training: {tokens: 14.8T, lr_peak: 2.2e-4}      # the run's length and schedules, in tokens (recipe/training.py)
 
 Later values replace earlier ones key by key; command-line `key=value` overrides come last.
+A command-line `KIND=NAME` for a kind in `SWAPPABLE` (`data=prepared`) merges configs/KIND/NAME.yml in place
+of the recipe's fragment of that kind (or after its includes when it has none), so that a recipe trains on
+other data or another remat policy without a file of one's own.
 """
 
 from __future__ import annotations
@@ -83,6 +86,11 @@ PREFIXES = {
     "training": "training",
 }
 COMMAND_LINE = "command line"
+# Fragment kinds a bare `KIND=NAME` swaps from the command line: each kind's fragments are alternatives for
+# one another (where the data comes from; which activations are kept), and no MaxText key has the kind's name.
+SWAPPABLE = ("data", "memory")
+_SWAP_NOTE = f"on the {COMMAND_LINE}"
+_SWAPPED = re.compile(rf"\((\w+=[\w.-]+) {_SWAP_NOTE}\)$")
 # MaxText keys that `run/train.py` sets itself: a value given for them would be ignored without a word.
 RESERVED = {
     "metrics_file": "maxtext-moe writes each step's metrics to <run folder>/metrics.jsonl itself and follows "
@@ -109,6 +117,7 @@ class Composition:
         default_factory=lambda: {s: {} for s in SECTIONS if s not in ("description", "include")}
     )
     files: list[str] = field(default_factory=list)
+    swapped: set[str] = field(default_factory=set)  # fragment kinds replaced from the command line
 
     def get(self, section: str, key: str, default: Any = None) -> Any:
         v = self.sections[section].get(key)
@@ -222,9 +231,16 @@ def _as_number(key: str, value: Any) -> Any:
     return number
 
 
-def _merge_file(comp: Composition, path: Path, stack: tuple[Path, ...]) -> dict[str, Any]:
-    """Merge one file (its includes first) into `comp`; returns the file's own mapping."""
-    where = paths.display(path)
+def _merge_file(
+    comp: Composition, path: Path, stack: tuple[Path, ...], swaps: dict[str, str], label: str = ""
+) -> dict[str, Any]:
+    """Merge one file (its includes first) into `comp`; returns the file's own mapping.
+
+    `swaps` (kind -> fragment name, from `KIND=NAME` on the command line) replaces each include of that kind;
+    the fragment put in its place merges its own includes as written. `label` follows the file's name in the
+    sources of its values.
+    """
+    where = paths.display(path) + label
     if path.resolve() in stack:
         chain = " -> ".join(paths.display(p) for p in (*stack, path))
         raise UserError(f"includes itself: {chain}.", source=where, fix="remove one of the includes.")
@@ -233,16 +249,10 @@ def _merge_file(comp: Composition, path: Path, stack: tuple[Path, ...]) -> dict[
     if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
         raise UserError("must be a list of fragment names like 'model/deepseek3-tiny'.", key="include", source=where)
     for ref in includes:
-        frag = paths.configs_dir() / f"{ref}.yml"
-        if not frag.is_file():
-            raise UserError(
-                f"no fragment '{ref}'.{suggest(ref, fragment_names())}",
-                key="include",
-                source=where,
-                fix="fragments are configs/<kind>/<name>.yml, named without '.yml'.",
-            )
-        _merge_file(comp, frag, (*stack, path.resolve()))
-    comp.files.append(where)
+        _merge_include(comp, ref, where, (*stack, path.resolve()), swaps)
+    for kind in [] if stack else [k for k in swaps if k not in comp.swapped]:  # the recipe has none of that kind
+        _merge_include(comp, kind, where, (path.resolve(),), swaps)
+    comp.files.append(paths.display(path))
     for section in comp.sections:
         body = data.get(section)
         if body is None:
@@ -256,6 +266,32 @@ def _merge_file(comp: Composition, path: Path, stack: tuple[Path, ...]) -> dict[
             _check_key(section, key, where)
             comp.sections[section][key] = Value(_as_number(key, value) if section == "maxtext" else value, where)
     return data
+
+
+def swap_in(source: str | None) -> str:
+    """The `KIND=NAME` swap that put a value's fragment in the recipe (`data=prepared`), from the value's
+    source; '' for a value of the recipe's own fragments."""
+    found = _SWAPPED.search(source or "")
+    return found.group(1) if found else ""
+
+
+def _merge_include(comp: Composition, ref: str, where: str, stack: tuple[Path, ...], swaps: dict[str, str]) -> None:
+    """Merge the fragment `ref` that the file `where` includes, or the one a swap of its kind puts in its place."""
+    kind = ref.split("/", 1)[0]
+    label = ""
+    if kind in swaps:
+        ref, label = f"{kind}/{swaps[kind]}", f" ({kind}={swaps[kind]} {_SWAP_NOTE})"
+        swaps = {k: v for k, v in swaps.items() if k != kind}  # its own includes merge as written
+        comp.swapped.add(kind)
+    frag = paths.configs_dir() / f"{ref}.yml"
+    if not frag.is_file():
+        raise UserError(
+            f"no fragment '{ref}'.{suggest(ref, fragment_names())}",
+            key="include",
+            source=where,
+            fix="fragments are configs/<kind>/<name>.yml, named without '.yml'.",
+        )
+    _merge_file(comp, frag, stack, swaps, label)
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
@@ -285,21 +321,59 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     return section, key, value
 
 
+def fragment_swaps(overrides: list[str] | tuple[str, ...]) -> tuple[dict[str, str], list[str]]:
+    """Split `KIND=NAME` fragment swaps (`data=prepared`) from the other overrides; an unknown NAME is refused
+    with the kind's fragments."""
+    swaps, rest = {}, []
+    for text in overrides:
+        kind, _, name = text.partition("=")
+        if kind not in SWAPPABLE:
+            rest.append(text)
+            continue
+        choices = sorted(p.stem for p in (paths.configs_dir() / kind).glob("*.yml"))
+        if name not in choices:
+            raise UserError(
+                f"no {kind} fragment '{name}'.{suggest(name, choices)}",
+                key=kind,
+                source=COMMAND_LINE,
+                fix=f"use one of: {', '.join(choices)} (configs/{kind}/NAME.yml).",
+            )
+        swaps[kind] = name
+    return swaps, rest
+
+
 def compose(ref: str, overrides: list[str] | tuple[str, ...] = ()) -> Composition:
-    """Merge a recipe's fragments, the recipe itself, then command-line overrides."""
+    """Merge a recipe's fragments (swapped ones replaced), the recipe itself, then command-line overrides."""
     path = find_recipe(ref)
+    swaps, overrides = fragment_swaps(overrides)
     comp = Composition(name=path.stem)
-    comp.description = str(_merge_file(comp, path, ()).get("description", "")).strip()
+    comp.description = str(_merge_file(comp, path, (), swaps).get("description", "")).strip()
     for text in overrides:
         section, key, value = parse_override(text)
         _check_key(section, key, COMMAND_LINE)
         comp.sections[section][key] = Value(_as_number(key, value) if section == "maxtext" else value, COMMAND_LINE)
-    if comp.sections["corpus"] and "grain_train_files" in comp.sections["maxtext"]:
-        raise UserError(
-            "is set, but the recipe's corpus section makes maxtext-moe prepare the corpus and point MaxText at it.",
-            key="grain_train_files",
-            source=comp.source("maxtext", "grain_train_files"),
-            fix="train on your own prepared corpus with a recipe without a corpus section (configs/data/prepared.yml), "
-            "or drop grain_train_files.",
-        )
+    _check_data_source(comp, ref)
     return comp
+
+
+def _check_data_source(comp: Composition, ref: str) -> None:
+    """`grain_train_files` where the recipe's data fragment would not read it (a corpus section that writes its own
+    corpus, synthetic data) names the fragment that does."""
+    files = comp.sections["maxtext"].get("grain_train_files")
+    if files is None:
+        return
+    dataset = comp.get("maxtext", "dataset_type", maxtext_keys.defaults().get("dataset_type"))
+    if comp.sections["corpus"]:
+        why = "the recipe's corpus section makes maxtext-moe prepare its own corpus and point MaxText at it"
+    elif dataset != "grain":
+        why = f"the recipe reads dataset_type {dataset} ({comp.source('maxtext', 'dataset_type') or 'default'})"
+    else:
+        return
+    raise UserError(
+        f"is set, but {why}.",
+        key="grain_train_files",
+        source=files.source,
+        fix=f"add data=prepared to read a corpus from `maxtext-moe data prepare` (`maxtext-moe train {ref} "
+        "data=prepared grain_train_files=/data/corpus`), or data=parquet for raw-text .parquet files; or drop "
+        "grain_train_files.",
+    )

@@ -144,7 +144,9 @@ def train(
     `count_upstream_routing`: with MaxText's own MoE block, re-run its gate and top-k to report the load balance
     (one extra top-k a layer); `bench` turns it off so that MaxText's block is timed as MaxText ships it.
     """
-    prepared.require_train_files(resolved.maxtext, resolved.files[-1] if resolved.files else resolved.name)
+    prepared.require_train_files(
+        resolved.maxtext, resolved.sources, resolved.files[-1] if resolved.files else resolved.name
+    )
     rp = run_paths(resolved)
     xla_flags.check(resolved)  # XLA would abort the run on a flag it does not know, after the start-up
     os.environ.update(resolved.env)

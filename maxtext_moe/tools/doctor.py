@@ -307,12 +307,12 @@ def compare(m: Machine, r: ResolvedRecipe) -> list[Line]:
 
 
 def _compile_line(m: Machine, r: ResolvedRecipe) -> Line:
-    """Which compiler `plan RECIPE --compile` would give its figures from on this machine, by `compiled`'s rule."""
-    from maxtext_moe.plan import compiled
+    """Which compiler `plan RECIPE --compile` would give its figures from on this machine, by `compile_route`'s rule."""
+    from maxtext_moe.plan import compile_route
 
     gpus = m.local_devices if m.backend == "gpu" else 0
     try:
-        route = compiled.choose_route(r, gpus, deviceless_ok=not gpus and m.cuda_plugin)
+        route = compile_route.choose_route(r, gpus, deviceless_ok=not gpus and m.cuda_plugin)
     except UserError as e:
         return Line("plan --compile", f"refused here ({e.key})", "info", e.fix or "")
     have = {

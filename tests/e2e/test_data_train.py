@@ -70,3 +70,16 @@ def test_prepared_corpus_trains_the_tiny_model(tmp_path):
     first = statistics.mean(metrics[s]["learning/loss"] for s in range(5))
     last = statistics.mean(metrics[s]["learning/loss"] for s in range(25, 30))
     assert last < first - 1.0, (first, last)
+
+
+def test_the_default_recipe_trains_on_a_prepared_corpus_without_a_recipe_file(tokenizer, tmp_path):
+    """`data=prepared` swaps the default recipe's data fragment from the command line: no YAML of one's own."""
+    corpus = tmp_path / "corpus"
+    r = run_cli("data", "prepare", str(STDLIB / "textwrap.py"), "--tokenizer", str(tokenizer), "--out", str(corpus))
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "runs"
+    args = ("train", "data=prepared", f"grain_train_files={corpus}", f"base_output_directory={out}", "steps=3")
+    r = run_cli(*args, *FAST, cwd=REPO)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert sorted(read_metrics(out / "deepseek3-tiny-cpu")) == [0, 1, 2]
+    assert not (out / "corpus").exists()  # the python-stdlib corpus the recipe names was never written

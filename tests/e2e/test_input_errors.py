@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import run_cli
 
 
@@ -72,3 +73,22 @@ def test_a_gpu_recipe_without_a_gpu_is_refused_before_anything_is_written(tmp_pa
         line = _one_error_line(r)
         assert "this recipe runs on h200 GPUs; jax sees none here" in line and "Fix:" in line
         assert not any(tmp_path.iterdir())
+
+
+def test_a_layout_the_plan_does_not_fit_is_warned_of_before_compiling(tmp_path):
+    """bench (and train) of a GPU recipe print the plan's verdict before jax starts; here, without a GPU, the run
+    then stops at the GPU check, before anything is compiled or written."""
+    from maxtext_moe.plan import compile_route
+
+    if compile_route.local_gpus():
+        pytest.skip("on a GPU machine this would compile the layout and run out of memory (tests/unit/test_fit.py)")
+    args = ("deepseek3-proxy-h200-1gpu", "max_target_length=8192", "per_device_batch_size=4")
+    r = run_cli("bench", *args, f"base_output_directory={tmp_path}", timeout=120)
+    warning, error = [line for line in r.stderr.splitlines() if line.strip()]
+    assert warning.startswith("maxtext-moe: warning: the planner puts deepseek3-proxy-h200-1gpu (1 device on 1 h200, ")
+    assert "at 131.2 GiB per GPU of 123.0 GiB usable on h200: XLA will likely run out of memory" in warning
+    assert "`per_device_batch_size=2` (91.7 GiB" in warning
+    assert r.returncode == 2 and error.startswith("maxtext-moe: error: ") and "jax sees none here" in error
+    assert not any(tmp_path.iterdir())
+    r = run_cli("bench", "deepseek3-proxy-h200-1gpu", f"base_output_directory={tmp_path}", timeout=120)
+    assert "warning" not in r.stderr  # the recipe as shipped fits

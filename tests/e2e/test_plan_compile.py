@@ -70,9 +70,9 @@ def test_a_long_compile_reports_its_progress_and_jax_phases() -> None:
     """A 671B compile runs for many minutes: a line every `every_s` seconds says how long, and which phase
     JAX last finished (from `jax_log_compiles` in the compile's log)."""
     from maxtext_moe.cli import resolve
-    from maxtext_moe.plan import compiled
+    from maxtext_moe.plan import compile_route, compiled
 
-    route = compiled.choose_route(resolve("deepseek3-tiny-cpu", []), gpus_here=0)
+    route = compile_route.choose_route(resolve("deepseek3-tiny-cpu", []), gpus_here=0)
     lines: list[str] = []
     result = compiled.compile_in_subprocess(
         resolve("deepseek3-tiny-cpu", list(route.overrides)), route, progress=lines.append, every_s=1.0

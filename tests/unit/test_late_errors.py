@@ -37,6 +37,7 @@ TRACEBACK_AFTER_A_RUN = """
 import sys
 from pathlib import Path
 from maxtext_moe import cli
+from maxtext_moe.commands import recipes
 from maxtext_moe.run import late_errors
 
 late_errors.send_to(Path(sys.argv[1]))  # as a failed train command leaves the process
@@ -46,7 +47,7 @@ def boom(ref, overrides):
     raise RuntimeError("boom")
 
 
-cli.resolve = boom
+recipes.resolve = boom  # what `show` resolves its recipe with
 sys.exit(cli.main(["--traceback", "show", "deepseek3-tiny-cpu"]))
 """
 

@@ -8,45 +8,45 @@ import pytest
 
 from maxtext_moe.cli import resolve
 from maxtext_moe.errors import UserError
-from maxtext_moe.plan import compiled
+from maxtext_moe.plan import compile_route, compiled
 
 
 def test_gpu_machine_mocks_one_process_per_gpu_of_the_recipe() -> None:
     r = resolve("deepseek3-671b-h200-128", [])
-    route = compiled.choose_route(r, gpus_here=1)
+    route = compile_route.choose_route(r, gpus_here=1)
     assert route.name == "gpu" and route.mock_gpu_topology == "1x128x1"
     assert route.overrides == ("dataset_type=synthetic",)  # no corpus named yet: the batch shapes are the same
-    assert route.env["XLA_FLAGS"].endswith(compiled.MOCK_GPU_FLAGS)
-    assert compiled.choose_route(r, gpus_here=8).mock_gpu_topology == "1x16x8"
+    assert route.env["XLA_FLAGS"].endswith(compile_route.MOCK_GPU_FLAGS)
+    assert compile_route.choose_route(r, gpus_here=8).mock_gpu_topology == "1x16x8"
     with pytest.raises(UserError, match="whole number of hosts"):
-        compiled.choose_route(r, gpus_here=3)
-    assert compiled.choose_route(resolve("deepseek3-proxy-h200-1gpu", []), gpus_here=1).overrides == ()
+        compile_route.choose_route(r, gpus_here=3)
+    assert compile_route.choose_route(resolve("deepseek3-proxy-h200-1gpu", []), gpus_here=1).overrides == ()
 
 
 def test_without_a_gpu_the_recipe_is_switched_to_cpu_kernels_and_large_counts_refused() -> None:
-    route = compiled.choose_route(resolve("deepseek3-proxy-h200-2gpu", []), gpus_here=0)
+    route = compile_route.choose_route(resolve("deepseek3-proxy-h200-2gpu", []), gpus_here=0)
     assert route.name == "cpu" and route.mock_gpu_topology is None
     assert {"topology.hardware=cpu", "moe.gemm=ragged_dot", "topology.gpus_per_node=2"} <= set(route.overrides)
     assert route.env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
-    tiny = compiled.choose_route(resolve("deepseek3-tiny-cpu", []), gpus_here=1)  # a CPU recipe stays on the CPU
+    tiny = compile_route.choose_route(resolve("deepseek3-tiny-cpu", []), gpus_here=1)  # a CPU recipe stays on the CPU
     assert tiny.name == "cpu" and "moe.impl=ours" not in tiny.overrides
     with pytest.raises(UserError, match="refused") as e:
-        compiled.choose_route(resolve("deepseek3-671b-gb300-1024", []), gpus_here=0)
+        compile_route.choose_route(resolve("deepseek3-671b-gb300-1024", []), gpus_here=0)
     assert e.value.fix
 
 
 def test_without_a_gpu_but_with_jax_cuda_plugin_the_recipe_compiles_deviceless_for_its_own_gpus() -> None:
-    route = compiled.choose_route(resolve("deepseek3-671b-h200-128", []), gpus_here=0, deviceless_ok=True)
+    route = compile_route.choose_route(resolve("deepseek3-671b-h200-128", []), gpus_here=0, deviceless_ok=True)
     assert route.name == "gpu-aot" and route.deviceless_topology == "1x16x8" and route.mock_gpu_topology is None
     assert route.overrides == ("dataset_type=synthetic",)  # the recipe as is, but for the corpus stand-in
     assert route.env["JAX_PLATFORMS"] == "cpu" and route.env["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] == "1"
-    assert route.env["XLA_FLAGS"].endswith(f"{compiled.MOCK_GPU_FLAGS} --xla_force_host_platform_device_count=128")
+    assert route.env["XLA_FLAGS"].endswith(f"{compile_route.MOCK_GPU_FLAGS} --xla_force_host_platform_device_count=128")
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in route.env["XLA_FLAGS"]  # the recipe's own flags
-    one = compiled.choose_route(resolve("deepseek3-proxy-h200-1gpu", []), gpus_here=0, deviceless_ok=True)
+    one = compile_route.choose_route(resolve("deepseek3-proxy-h200-1gpu", []), gpus_here=0, deviceless_ok=True)
     assert one.deviceless_topology == "1x1x1" and "H200" in one.description
-    gpu_here = compiled.choose_route(resolve("deepseek3-proxy-h200-1gpu", []), gpus_here=1, deviceless_ok=True)
+    gpu_here = compile_route.choose_route(resolve("deepseek3-proxy-h200-1gpu", []), gpus_here=1, deviceless_ok=True)
     assert gpu_here.name == "gpu"  # a GPU here compiles on it, kernels as that GPU picks them
-    cpu_recipe = compiled.choose_route(resolve("deepseek3-tiny-cpu", []), gpus_here=0, deviceless_ok=True)
+    cpu_recipe = compile_route.choose_route(resolve("deepseek3-tiny-cpu", []), gpus_here=0, deviceless_ok=True)
     assert cpu_recipe.name == "cpu"
 
 
@@ -54,10 +54,10 @@ def test_deviceless_route_stands_jax_cudnn_attention_in_for_tes() -> None:
     """TE's attention asks the GPU driver for its fused kernel while the step is traced; deviceless, the GB200
     recipe's compile stopped there ("CUDA driver version is insufficient", 2026-12-01). JAX's cuDNN flash
     attention, the Hopper recipes' kernel, compiles without a driver and is listed as an override."""
-    gb200 = compiled.choose_route(resolve("deepseek3-671b-gb200-128", []), gpus_here=0, deviceless_ok=True)
+    gb200 = compile_route.choose_route(resolve("deepseek3-671b-gb200-128", []), gpus_here=0, deviceless_ok=True)
     assert gb200.name == "gpu-aot" and "attention=cudnn_flash_jax" in gb200.overrides
     assert "TE's attention" in gb200.description
-    on_gpu = compiled.choose_route(resolve("deepseek3-671b-gb200-128", []), gpus_here=8, deviceless_ok=True)
+    on_gpu = compile_route.choose_route(resolve("deepseek3-671b-gb200-128", []), gpus_here=8, deviceless_ok=True)
     assert "attention=cudnn_flash_jax" not in on_gpu.overrides  # a GPU here answers TE itself
 
 
@@ -96,11 +96,11 @@ def test_device_total_counts_donated_buffers_once() -> None:
 def test_local_gpus_are_the_visible_ones(monkeypatch: pytest.MonkeyPatch) -> None:
     """One GPU of four given to the compile: the mock topology repeats one GPU per host, as jax will see it."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")
-    assert compiled.local_gpus() == 1
+    assert compile_route.local_gpus() == 1
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    assert compiled.local_gpus() == 2
+    assert compile_route.local_gpus() == 2
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert compiled.local_gpus() == 0
+    assert compile_route.local_gpus() == 0
 
 
 def test_te_moe_block_recipes_are_sent_to_the_cpu_route_not_a_gpu_one() -> None:
@@ -108,8 +108,8 @@ def test_te_moe_block_recipes_are_sent_to_the_cpu_route_not_a_gpu_one() -> None:
     with "TE MoE EP has not been bootstrapped yet" (H200, 2026-12-01). Refused up front with the way round."""
     published = resolve("deepseek3-671b-published-gb200-128", [])
     with pytest.raises(UserError, match="NCCL EP") as e:
-        compiled.choose_route(published, gpus_here=1)
+        compile_route.choose_route(published, gpus_here=1)
     assert e.value.key == "te_moe_block" and "CUDA_VISIBLE_DEVICES=''" in e.value.fix
     for deviceless_ok in (False, True):  # not the deviceless compile either: it would bootstrap the same way
-        route = compiled.choose_route(published, gpus_here=0, deviceless_ok=deviceless_ok)
+        route = compile_route.choose_route(published, gpus_here=0, deviceless_ok=deviceless_ok)
         assert route.name == "cpu" and "te_moe_block=false" in route.overrides

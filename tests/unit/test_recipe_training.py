@@ -8,7 +8,7 @@ import pytest
 from maxtext_moe import cli
 from maxtext_moe.errors import UserError
 from maxtext_moe.plan import budget, estimate
-from maxtext_moe.recipe import composition, training
+from maxtext_moe.recipe import composition, show, training
 from maxtext_moe.recipe.validate import resolve
 from maxtext_moe.upstream import training_schedule
 
@@ -112,7 +112,7 @@ def test_the_ramp_masks_the_loss_of_the_rows_past_the_steps_batch() -> None:
 
 
 def test_show_prints_the_schedule_on_steps_and_names_the_deviation() -> None:
-    text = cli.render_show(cli.resolve(H200, []))
+    text = show.render(cli.resolve(H200, []))
     assert f"  lr_tail:            {{14.633T: 7.3e-06}}  # {PAPER}" in text
     assert "#       2000   27.5073B   0.00022   3712   0.001    0.3  lr warm-up ends" in text
     assert "#     234993      14.3T   2.2e-05  15360       0    0.1  bias update rate 0" in text
@@ -165,7 +165,7 @@ def test_the_section_needs_its_length_and_learning_rate(recipe_file) -> None:
 def test_a_shorter_run_keeps_the_schedule() -> None:
     r = compose_resolve(H200, "steps=20")
     assert r.maxtext["steps"] == 20 and r.maxtext["learning_rate_schedule_steps"] == 242940
-    assert "# this run stops after step 20 of the schedule's 242940 (steps, command line)" in cli.render_show(r)
+    assert "# this run stops after step 20 of the schedule's 242940 (steps, command line)" in show.render(r)
 
 
 def test_amounts_read_as_recipes_write_them() -> None:

@@ -7,7 +7,7 @@ from conftest import with_corpus
 
 from maxtext_moe import cli
 from maxtext_moe.errors import UserError
-from maxtext_moe.recipe import composition
+from maxtext_moe.recipe import composition, show
 from maxtext_moe.upstream import maxtext_config
 
 
@@ -97,10 +97,10 @@ def test_hopper_recipes_keep_ep_in_the_node_and_refuse_mxfp8() -> None:
 
 
 def test_show_names_the_published_recipes_routing_differences() -> None:
-    published = cli.render_show(cli.resolve("deepseek3-671b-published-gb200-128", []))
+    published = show.render(cli.resolve("deepseek3-671b-published-gb200-128", []))
     note = next(line for line in published.splitlines() if "routing differs" in line)
     assert "no group-limited routing" in note and "no bias update" in note and "no MTP layer" in note
     for name in OURS_671B:
-        assert "routing differs" not in cli.render_show(cli.resolve(name, []))
-    partial = cli.render_show(cli.resolve("deepseek3-671b-h200-128", ["mtp_num_layers=0"]))
+        assert "routing differs" not in show.render(cli.resolve(name, []))
+    partial = show.render(cli.resolve("deepseek3-671b-h200-128", ["mtp_num_layers=0"]))
     assert "routing differs from DeepSeek-V3 as trained: no MTP layer (mtp_num_layers 0)." in partial
