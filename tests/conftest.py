@@ -23,6 +23,17 @@ TEXTS = [STDLIB / "json" / "encoder.py", STDLIB / "json" / "decoder.py", STDLIB 
 FAST = ["per_device_batch_size=2", "max_target_length=128", "log_period=5"]
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files that declare a longer time limit (`pytest.mark.timeout`) first. scripts/test.sh hands whole files to
+    its two workers in collection order, and the file of whole SLURM jobs, started last, ran alone at the end."""
+
+    def limit(item: pytest.Item) -> float:
+        mark = item.get_closest_marker("timeout")
+        return -float(mark.args[0]) if mark and mark.args else 0.0
+
+    items.sort(key=limit)
+
+
 def run_cli(
     *args: str, cwd: Path | None = None, timeout: int = 600, env: dict | None = None
 ) -> subprocess.CompletedProcess:
