@@ -105,7 +105,8 @@ class MoeSettings:
         model's sequence-wise balance loss, which it computes itself (`recipe.moe_checks.maxtext_keys`)."""
         if self.ours:
             return asdict(self)
-        return {"impl": self.impl, SEQ_BALANCE: self.seq_balance_loss_weight}
+        weight = self.seq_balance_loss_weight
+        return {"impl": self.impl} | ({SEQ_BALANCE: weight} if weight > 0 else {})
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> MoeSettings:

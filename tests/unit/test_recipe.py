@@ -299,7 +299,10 @@ def test_moe_section_defaults_and_checks():
         "decoder_block: is 'llama2', but moe.impl: ours replaces the routed experts of MaxText's DeepSeek"
         in error_of(TINY, "moe.impl=ours", "decoder_block=llama2")
     )
-    assert compose_resolve("deepseek3-proxy-h200-1gpu", "moe.impl=maxtext").moe == {"impl": "maxtext"}
+    assert compose_resolve("deepseek3-proxy-h200-1gpu", "moe.impl=maxtext").moe == {
+        "impl": "maxtext",
+        "seq_balance_loss_weight": 0.0001,  # the model's: MaxText's block computes it too
+    }
     gpu = compose_resolve(TINY, "moe.impl=ours", "topology.hardware=h200", "topology.gpus_per_node=1")
     assert gpu.moe["gemm"] == "te"
 
