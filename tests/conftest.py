@@ -80,6 +80,17 @@ def run_processes(n: int, *args: str, timeout: int = 400) -> list[subprocess.Com
     return results
 
 
+def one_accumulation_step(recipe: str, *overrides: str) -> list[str]:
+    """`overrides` and a batch of one accumulation step. The 671B compile records are of one step of the
+    per-device batch (gradient_accumulation_steps 1), while the training section accumulates to the paper's
+    batch, which adds the accumulated gradients (plan/memory.py) to the step."""
+    from maxtext_moe import cli
+
+    r = cli.resolve(recipe, list(overrides))
+    per_step = r.training_settings.batch_end // r.training_settings.accumulation
+    return [*overrides, f"training.batch_start={per_step}", f"training.batch_end={per_step}"]
+
+
 def read_metrics(run_dir: Path) -> dict[int, dict]:
     """Step -> MaxText's scalars from the run's metrics file (a resumed run appends)."""
     return progress.read_metrics(run_dir / "metrics.jsonl")

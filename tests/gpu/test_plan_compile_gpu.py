@@ -15,7 +15,7 @@ from pathlib import Path
 
 import jax
 import pytest
-from conftest import REPO
+from conftest import REPO, one_accumulation_step
 
 from maxtext_moe.upstream import deviceless
 
@@ -79,6 +79,27 @@ def test_deviceless_compile_of_the_ep2_proxy_is_close_to_the_gpu_compile(tmp_pat
     )
 
 
+# The records these compiles are compared with are of one step of the per-device batch; the recipes accumulate
+# to the paper's batch (training section), whose compiled step is its own test below.
+FIVE_LAYERS_ONE_STEP = (
+    "deepseek3-671b-h200-128",
+    *one_accumulation_step("deepseek3-671b-h200-128", "base_num_decoder_layers=5"),
+)
+
+
+@pytest.mark.gpu
+@NEEDS_PLUGIN
+@pytest.mark.xfail(
+    strict=True,
+    reason="the accumulated step compiles far above the plan: 82.4 GiB against 43.0 planned for 5 layers of "
+    "deepseek3-671b-h200-128 at gradient accumulation 20, and 46.7 for one step (deviceless, H200, 2026-12-03)",
+)
+def test_five_layers_of_the_h200_128_recipe_accumulating_to_the_papers_batch_compile_within_the_plan() -> None:
+    """MaxText's gradient accumulation around the same step: the planner adds only the accumulated gradients."""
+    result = _compile_without_gpu("deepseek3-671b-h200-128", "base_num_decoder_layers=5")
+    assert result["compiled_over_planned"] < 1.15
+
+
 @pytest.mark.gpu
 @NEEDS_PLUGIN
 def test_five_layers_of_the_h200_128_recipe_compile_within_15_percent_of_the_plan(tmp_path: Path) -> None:
@@ -89,7 +110,7 @@ def test_five_layers_of_the_h200_128_recipe_compile_within_15_percent_of_the_pla
     the backward (62.6 GiB). With both fixed: 46.1 GiB, planned 42.4. Its peak, from the HLO dump, is the
     output head's: the loss's float32 gradient of the logits is the largest buffer alive there."""
     dump = [f"xla_flags.xla_dump_to={tmp_path}", "xla_flags.xla_dump_hlo_as_text=true"]
-    result = _compile_without_gpu("deepseek3-671b-h200-128", "base_num_decoder_layers=5", *dump)
+    result = _compile_without_gpu(*FIVE_LAYERS_ONE_STEP, *dump)
     assert result["compiled"]["device_total_bytes"] < 52 * GIB
     assert result["compiled_over_planned"] < 1.15
     largest = result["at_peak"]["groups"][0]
@@ -102,7 +123,8 @@ def test_five_layers_of_the_gb200_recipe_compile_deviceless_for_blackwell() -> N
     """The GB200 recipe (MXFP8 experts through TE, full remat) compiles for 128 described GB200s, with JAX's
     cuDNN attention standing in for TE's (which asks the GPU driver). 5 layers, 2026-12-01: 50.9 GiB per GPU
     (54.7 with the MoE up-projection offloaded, which XLA keeps in HBM until each layer's backward)."""
-    result = _compile_without_gpu("deepseek3-671b-gb200-128", "base_num_decoder_layers=5")
+    recipe = "deepseek3-671b-gb200-128"
+    result = _compile_without_gpu(recipe, *one_accumulation_step(recipe, "base_num_decoder_layers=5"))
     compiled = result["compiled"]
     assert "GB200" in compiled["device_kind"] and compiled["devices"] == 128
     assert "attention=cudnn_flash_jax" in result["compiled_with_overrides"]

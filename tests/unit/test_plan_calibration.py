@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import one_accumulation_step
 
 from maxtext_moe import cli
 from maxtext_moe.plan import scheduler_limit
@@ -211,19 +212,10 @@ def compiled_record(name: str) -> dict:
     return json.loads((RESULTS / f"{name}.json").read_text())
 
 
-def one_step(recipe: str, *overrides: str) -> list[str]:
-    """`overrides` and a batch of one accumulation step: the 671B compile records are of one step of the per-device
-    batch (gradient_accumulation_steps 1), while the training section accumulates to the paper's batch, which adds
-    the accumulated gradients (plan/memory.py) to the step."""
-    r = cli.resolve(recipe, list(overrides))
-    per_step = r.training_settings.batch_end // r.training_settings.accumulation
-    return [*overrides, f"training.batch_start={per_step}", f"training.batch_end={per_step}"]
-
-
 def test_planned_memory_within_tolerance_of_every_compiled_671b_recipe() -> None:
     """XLA's per-GPU total for each 671B recipe, compiled for its full device count, against `plan`'s now (the
     compiled JSON keeps the plan of its day too); the state argument against the planned state to 1%."""
-    plans = {recipe: estimate(cli.resolve(recipe, one_step(recipe))) for recipe in COMPILED_671B}
+    plans = {recipe: estimate(cli.resolve(recipe, one_accumulation_step(recipe))) for recipe in COMPILED_671B}
     runs = {recipe: compiled_record(name) for recipe, (name, _) in COMPILED_671B.items()}
     compiled = {recipe: r["compiled"]["device_total_bytes"] / GIB for recipe, r in runs.items()}
     check(compiled, {recipe: p.memory.device_total / GIB for recipe, p in plans.items()}, {}, "GiB")
@@ -235,7 +227,7 @@ def test_the_budgets_compiled_with_are_the_ones_the_plans_ask_for() -> None:
     """The slop factor each budgeted compile ran with is the one `plan --compile` names for the recipe as
     shipped, so the records stay tied to the plan (and to XLA's rule) they were made for."""
     for recipe, (_, slop) in COMPILED_671B.items():
-        resolved = cli.resolve(recipe, one_step(recipe))
+        resolved = cli.resolve(recipe, one_accumulation_step(recipe))
         device_memory = deviceless.device_memory_bytes(resolved.topology.profile)
         limit = scheduler_limit.of(compiled_record(SHIPPED_671B[recipe])["compiled"]["memory"], device_memory, "")
         planned = estimate(resolved).memory.device_total
@@ -270,7 +262,10 @@ def test_planned_hbm_per_unrolled_moe_layer_matches_the_compiled_gb200_recipe(
     runs = [json.loads((RESULTS / f"plan_compile_deviceless_671b_gb200_128_{r}.json").read_text()) for r in records]
     compiled = [r["compiled"]["device_total_bytes"] / GIB for r in runs]
     planned = [
-        estimate(cli.resolve(GB200, one_step(GB200, f"base_num_decoder_layers={n}", *policy))).memory.device_total / GIB
+        estimate(
+            cli.resolve(GB200, one_accumulation_step(GB200, f"base_num_decoder_layers={n}", *policy))
+        ).memory.device_total
+        / GIB
         for n in (5, 9)
     ]
     assert planned[1] - planned[0] == pytest.approx(compiled[1] - compiled[0], rel=0.1)
@@ -283,7 +278,7 @@ def test_planned_hbm_of_the_offloading_gb200_recipe_within_10_percent_of_its_ful
     GiB per GPU, 118 up-projection outputs (112.5 GiB) in HBM at the peak. The plan said 88.9 before it counted
     them; it must keep saying the recipe does not fit."""
     run = json.loads((RESULTS / "plan_compile_deviceless_671b_gb200_128_offload.json").read_text())
-    plan = estimate(cli.resolve(GB200, one_step(GB200, *OFFLOAD_MOE_UP)))
+    plan = estimate(cli.resolve(GB200, one_accumulation_step(GB200, *OFFLOAD_MOE_UP)))
     assert plan.memory.device_total / run["compiled"]["device_total_bytes"] == pytest.approx(1.0, abs=0.1)
     assert not plan.fits
 
@@ -294,6 +289,8 @@ def test_planned_hbm_of_the_gb300_recipe_with_its_moe_up_projection_saved_within
     standing in for TE's, which the recipe runs and which held more on the H200 proxy: why it is not shipped)."""
     run = compiled_record("plan_compile_deviceless_671b_gb300_1024_moe_up_in_hbm")
     saved = ("remat_policy=custom", "decoder_layer_input=device", "moe_mlpwi_0=device", "moe_mlpwi_1=device")
-    plan = estimate(cli.resolve("deepseek3-671b-gb300-1024", one_step("deepseek3-671b-gb300-1024", *saved)))
+    plan = estimate(
+        cli.resolve("deepseek3-671b-gb300-1024", one_accumulation_step("deepseek3-671b-gb300-1024", *saved))
+    )
     assert plan.memory.device_total / run["compiled"]["device_total_bytes"] == pytest.approx(1.0, abs=0.1)
     assert plan.fits and run["compiled"]["host_total_bytes"] == 0
