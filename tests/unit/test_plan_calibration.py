@@ -17,9 +17,10 @@ import pytest
 from conftest import one_accumulation_step
 
 from maxtext_moe import cli
+from maxtext_moe.moe.settings import MoeSettings
 from maxtext_moe.plan import scheduler_limit
 from maxtext_moe.plan.estimate import Plan, estimate
-from maxtext_moe.recipe import maxtext_keys
+from maxtext_moe.recipe import maxtext_keys, moe_checks
 from maxtext_moe.upstream import deviceless
 
 GIB = 2**30
@@ -87,9 +88,10 @@ def overrides(result: dict) -> list[str]:
     model_defaults = maxtext_keys.model_defaults(str(settings.get("model_name", "default")))
     for key in recipe.maxtext.keys() - settings.keys():
         settings[key] = model_defaults.get(key, maxtext_keys.defaults().get(key))
-    keys = [f"{k}={json.dumps(v)}" for k, v in settings.items() if k not in NOT_PLANNED]
     moe = dict(result.get("moe") or {"impl": "maxtext"})
     moe.setdefault("seq_balance_loss_weight", 0)  # records made before the loss was in the model ran without it
+    derived = moe_checks.maxtext_keys(MoeSettings.from_dict(moe)).keys()  # the moe section sets them again
+    keys = [f"{k}={json.dumps(v)}" for k, v in settings.items() if k not in NOT_PLANNED and k not in derived]
     # Records made before attention.residuals had its own section kept it in moe, for our block only.
     attention = result.get("attention") or {"residuals": moe.pop("attention_residuals", "recompute")}
     env = result.get("env") or {}
