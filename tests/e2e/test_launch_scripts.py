@@ -144,7 +144,11 @@ def test_k8s_pod_stops_the_others_when_one_process_fails_and_starts_them_again_u
     start = time.monotonic()
     r = _run_pod(tmp_path, _k8s()[1], 0, FAIL_ID="5")
     assert r.returncode == 3 and time.monotonic() - start < 30  # the others sleep 60 s unless killed
-    assert all(_attempts(tmp_path, p) == [0, 1, 2, 3] for p in range(8))
+    assert _attempts(tmp_path, 5) == [0, 1, 2, 3]
+    # The others may be killed before they record an attempt (process 5 can fail first): none ran a fifth.
+    assert all(
+        set(_attempts(tmp_path, p)) <= {0, 1, 2, 3} for p in range(8) if (tmp_path / "out" / f"attempts-{p}").exists()
+    )
     reports = (tmp_path / "out" / "report").read_text().splitlines()
     assert reports == [f"{a} report {RECIPE} topology.nodes=16 base_output_directory=/runs" for a in range(4)]
 
@@ -154,7 +158,8 @@ def test_k8s_pod_goes_on_after_a_failure_that_a_restart_mends(tmp_path):
     than pod 0 leave the report to it."""
     r = _run_pod(tmp_path, _k8s("deepseek3-671b-h200-128", "job.max_restarts=1")[1], 2, FAIL_ID="17", FAIL_ATTEMPTS="1")
     assert r.returncode == 0
-    assert all(_attempts(tmp_path, p) == [0, 1] for p in range(16, 24))
+    assert _attempts(tmp_path, 17) == [0, 1]
+    assert all(_attempts(tmp_path, p)[-1] == 1 for p in range(16, 24))  # a killed one may not have recorded attempt 0
     assert not (tmp_path / "out" / "report").exists()
 
 
