@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fresh machine -> lint (ruff check, ruff format --check), then the full test suite (CPU), SLURM's included.
 # Extra arguments go to pytest, e.g. scripts/test.sh -m "not slow"; the tests run in two pytest-xdist workers
-# (most are subprocesses that keep one core busy: 36 min 37 s on 2 cores, SLURM jobs included), -n 0 for one.
+# (most are subprocesses that keep one core busy: about 28 minutes on 2 cores, SLURM jobs included), -n 0 for one.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 py=$("$root/scripts/setup.sh" | tail -n 1)
