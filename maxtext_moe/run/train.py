@@ -38,7 +38,7 @@ from maxtext_moe.run import (
 )
 from maxtext_moe.run.guard_counts import GuardCounts
 from maxtext_moe.run.progress import Progress, prints_to_log
-from maxtext_moe.upstream import maxtext_config, remat, step_hook, stop_metrics
+from maxtext_moe.upstream import maxtext_config, remat, remat_cse, step_hook, stop_metrics
 
 
 class Stopped(Exception):
@@ -250,6 +250,7 @@ def _run(
             skip_nonfinite.install()
         if resolved.attention["residuals"] == "save":
             remat.install()
+        remat_cse.install()  # before MaxText builds the model: full remat stays full under gradient accumulation
         out(
             f"{resolved.name}: {config.num_decoder_layers} decoder layers, {resolved.topology.num_devices} device(s) "
             f"of {resolved.topology.hardware}, "

@@ -17,6 +17,8 @@ Each module names the gap it fills. `SYMBOLS` lists what they touch, so that one
 - `stop_metrics`: holds the `StopTraining` that `checkpointing.maybe_save_checkpoint` raises on a SIGTERM until
   `MetricLogger.buffer_and_write_metrics` has the stopped step's metrics.
 - `remat`: wraps `NNXDecoder.get_remat_policy` to keep flash attention's forward outputs.
+- `remat_cse`: rebinds `maxtext_utils.should_prevent_cse_in_remat`, so that unrolled layers keep their remat
+  barrier under gradient accumulation on GPUs (without it XLA merges each recomputation with its forward).
 - `maxtext_config`: `pyconfig._initialize_pydantic`, MaxText's config model without its `sys.exit`.
 - `maxtext_errors`: unwraps the error `max_utils.transformer_engine_context` turns into a re-yield.
 - `te`: TE's `_v2_grouped_gemm_available` flag (grouped-GEMM path) and its JAX bindings.
@@ -58,6 +60,7 @@ SYMBOLS: tuple[tuple[str, str, str], ...] = (
     ("maxtext", "maxtext.trainers.pre_train.train", "loss_fn"),
     ("maxtext", "maxtext.layers.moe", "load_balance_updates_from_counts"),
     ("maxtext", "maxtext.layers.nnx_decoders", "NNXDecoder.get_remat_policy"),
+    ("maxtext", "maxtext.utils.maxtext_utils", "should_prevent_cse_in_remat"),
     ("maxtext", "maxtext.optimizers.optimizers", "skip_step_on_spikes"),
     ("maxtext", "maxtext.common.checkpointing", "maybe_save_checkpoint"),
     ("maxtext", "maxtext.common.metric_logger", "MetricLogger.buffer_and_write_metrics"),

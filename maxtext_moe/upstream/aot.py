@@ -96,7 +96,7 @@ def compile_step(request: dict[str, Any]) -> dict[str, Any]:
         from maxtext.utils import maxtext_utils, sharding
 
         from maxtext_moe.moe.settings import MoeSettings
-        from maxtext_moe.upstream import maxtext_config, remat
+        from maxtext_moe.upstream import maxtext_config, remat, remat_cse
 
         settings = MoeSettings.from_dict(request["moe"])
         if settings.ours:
@@ -105,6 +105,7 @@ def compile_step(request: dict[str, Any]) -> dict[str, Any]:
             deepseek_layer.install(settings)
         if request["attention"].get("residuals") == "save":
             remat.install()
+        remat_cse.install()
         config = maxtext_config.check(request["maxtext"], request["sources"])
         devices = jax.devices()  # on the deviceless route: stand-ins for MaxText's device count, not compiled for
         if request.get("deviceless"):
