@@ -97,6 +97,7 @@ UNROLLED_GRADIENTS = "gradients (beyond the activations freed before them)"
 UNROLLED_TRANSIENT = "logits + loss, or one layer's backward working set (never live together)"
 WEIGHT_COPIES = "layer weight copies (scan slice, FSDP gather, layer gradient)"
 ACCUMULATED_GRADIENTS = "accumulated gradients (gradient_accumulation_steps > 1)"
+ACCUMULATED_EXPERT_COPY = "expert weights laid out for the FSDP gather, kept through the accumulation loop"
 
 
 def _layer_has_collectives(lay: Layout) -> bool:
@@ -179,6 +180,13 @@ def per_gpu(m: Model, lay: Layout) -> Memory:
         # MaxText's accumulation loop (`gradient_accumulation_loss_and_grad`) carries the summed gradients, at the
         # parameters' dtype and sharding, through every micro-batch beside the gradients the micro-batch makes.
         device[ACCUMULATED_GRADIENTS] = params * lay.weight_bytes
+        if lay.fsdp > 1 and not lay.scanned:
+            # XLA:GPU (JAX 0.11.2) reads each layer's FSDP-sharded routed expert weights into the all-gather in
+            # another layout (the gathered dimension major). In one step it re-lays one layer's weights before
+            # its gather; the weights are the same in every micro-batch, so in the accumulation loop it does it
+            # once, before the loop, and keeps every layer's copy through it (deviceless compile of the H200
+            # recipe's 5 layers: the peak holds the 9 expert matrices' transposes, 0.49 GiB).
+            device[ACCUMULATED_EXPERT_COPY] = m.routed_expert_params / (shard * lay.pp) * lay.weight_bytes
     if saved_host:
         host["offloaded activations"] = stage_tokens * saved_host * act
     return Memory(device=device, host=host)

@@ -89,14 +89,13 @@ FIVE_LAYERS_ONE_STEP = (
 
 @pytest.mark.gpu
 @NEEDS_PLUGIN
-@pytest.mark.xfail(
-    strict=True,
-    reason="the accumulated step compiles far above the plan: 82.4 GiB against 43.0 planned for 5 layers of "
-    "deepseek3-671b-h200-128 at gradient accumulation 20, and 46.7 for one step (deviceless, H200, 2026-12-03)",
-)
 def test_five_layers_of_the_h200_128_recipe_accumulating_to_the_papers_batch_compile_within_the_plan() -> None:
-    """MaxText's gradient accumulation around the same step: the planner adds only the accumulated gradients."""
+    """MaxText's gradient accumulation around the same step, 20 micro-batches as the recipe ships: 48.0 GiB per
+    GPU against 46.7 for one step. Without maxtext_moe/upstream/remat_cse.py MaxText drops the remat barrier of
+    unrolled layers under accumulation on GPUs, XLA merges each layer's recomputation with its forward and the
+    step needs 82.4 GiB."""
     result = _compile_without_gpu("deepseek3-671b-h200-128", "base_num_decoder_layers=5")
+    assert result["compiled"]["device_total_bytes"] < 52 * GIB
     assert result["compiled_over_planned"] < 1.15
 
 
