@@ -31,6 +31,7 @@ from maxtext_moe.errors import UserError
 from maxtext_moe.moe.align import aligned
 from maxtext_moe.moe.settings import BACKENDS, FP8_MODES, Backend, Fp8
 from maxtext_moe.upstream import te, te_group_scales
+from maxtext_moe.upstream.opaque_vjp import opaque_vjp
 
 # TE's FP8 grouped GEMM on Hopper asserts `lda % 16 == 0` per group: each group's rows padded to a multiple.
 FP8_GROUP_ALIGN = 16
@@ -107,7 +108,7 @@ def _te_fp8(
         bwd_dtype=jnp.float8_e4m3fn if mxfp8 else jnp.float8_e5m2,
         n_groups=w.shape[0],
     )
-    gemm = lambda xp, wp, sizes: dense.grouped_dense(xp, wp, sizes, quantizer_set=quantizers)  # noqa: E731
+    gemm = opaque_vjp(lambda xp, wp, sizes: dense.grouped_dense(xp, wp, sizes, quantizer_set=quantizers), 2)
     if groups_aligned:
         return gemm(x_sorted, w, group_sizes).astype(x_sorted.dtype)
     return aligned(gemm, x_sorted, w, group_sizes, group_align(mode)).astype(x_sorted.dtype)
@@ -170,7 +171,7 @@ def grouped_matmul(
         select_te_grouped_gemm_path()
         if fp8 != "none":
             return _te_fp8(dense, x_sorted, w, group_sizes, fp8, groups_aligned)
-        return dense.grouped_dense(x_sorted, w, group_sizes).astype(x_sorted.dtype)
+        return opaque_vjp(dense.grouped_dense, 2)(x_sorted, w, group_sizes).astype(x_sorted.dtype)
     raise UserError(f"unknown grouped-GEMM backend {backend!r}.", fix=f"choose one of {', '.join(BACKENDS)}.")
 
 

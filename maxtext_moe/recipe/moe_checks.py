@@ -77,15 +77,6 @@ def settings(section: Mapping[str, Sourced], check: Checker, topo: Topology) -> 
             "is not 1, but moe.impl: ours does not run expert parallelism inside MaxText's pipeline stages.",
             "set it to 1, or use moe.impl: maxtext.",
         )
-    if expert_parallel and settings.gemm == "te" and check.value("scan_layers"):
-        # XLA's compiler (JAX 0.11.2, TE 2.20.2) crashes in backend_compile_and_load on this combination,
-        # with either exchange and any number of processes; unrolled layers compile.
-        check.fail(
-            "scan_layers",
-            "is true, but with moe.gemm: te and expert parallelism XLA's compiler crashes "
-            "(segmentation fault) on scanned decoder layers; unrolled layers train.",
-            "set scan_layers: false, or moe.gemm: tokamax.",
-        )
     if settings.dispatch_chunks > 1 and not expert_parallel:
         raise UserError(
             f"is {settings.dispatch_chunks}, but this recipe has no expert parallelism: the chunks split the "

@@ -107,6 +107,8 @@ def compile_step(request: dict[str, Any]) -> dict[str, Any]:
             remat.install()
         remat_cse.install()
         config = maxtext_config.check(request["maxtext"], request["sources"])
+        # MaxText's train sets the partitioner from its `shardy` key in main(), which this compile skips.
+        jax.config.update("jax_use_shardy_partitioner", config.shardy)
         devices = jax.devices()  # on the deviceless route: stand-ins for MaxText's device count, not compiled for
         if request.get("deviceless"):
             from maxtext_moe.recipe.hardware import profile
@@ -155,6 +157,7 @@ def compile_step(request: dict[str, Any]) -> dict[str, Any]:
         "device_kind": devices[0].device_kind,
         "mesh": {str(k): int(v) for k, v in mesh.shape.items()},
         "num_slices": int(config.num_slices),
+        "partitioner": "shardy" if jax.config.jax_use_shardy_partitioner else "gspmd",
     }
 
 

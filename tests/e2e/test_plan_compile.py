@@ -35,7 +35,7 @@ def test_tiny_recipe_on_four_cpu_devices_matches_the_planned_state() -> None:
     data = compile_json("deepseek3-tiny-cpu", "topology.gpus_per_node=4", "ici_fsdp_parallelism=-1")
     assert data["route"] == "cpu" and "bias against a GPU compile is unknown" in data["route_description"]
     res = data["compiled"]
-    assert (res["devices"], res["platform"], res["mesh"]["fsdp"]) == (4, "cpu", 4)
+    assert (res["devices"], res["platform"], res["mesh"]["fsdp"], res["partitioner"]) == (4, "cpu", 4, "shardy")
     assert data["planned"]["layout"].startswith("FSDP4 on 4 cpu")
     assert data["scheduler_limit"] is None  # XLA:CPU schedules to no memory budget
     check_state(data)
@@ -44,8 +44,9 @@ def test_tiny_recipe_on_four_cpu_devices_matches_the_planned_state() -> None:
 @pytest.mark.slow
 def test_one_device_holds_four_times_the_fsdp4_state_and_text_names_the_route() -> None:
     four = compile_json("deepseek3-tiny-cpu", "topology.gpus_per_node=4", "ici_fsdp_parallelism=-1")
-    one = compile_json("deepseek3-tiny-cpu")
+    one = compile_json("deepseek3-tiny-cpu", "shardy=false")  # MaxText's own key: GSPMD, as its train sets it
     check_state(one)
+    assert one["compiled"]["partitioner"] == "gspmd"
     assert one["compiled"]["state_bytes"] / four["compiled"]["state_bytes"] == pytest.approx(4, rel=0.01)
     r = run_cli("plan", "deepseek3-tiny-cpu", "--compile", timeout=300)
     assert r.returncode == 0, r.stderr

@@ -1,0 +1,66 @@
+"""Scanned decoder layers with TE's grouped GEMM under expert parallelism, compiled for two H200s without them
+(XLA:GPU deviceless; needs JAX's CUDA plugin and TE, not a GPU).
+
+JAX 0.11.2's XLA crashes on the gradient of a shard_map that a zero-size array crosses; TE's grouped GEMM
+leads there inside `jax.lax.scan` (docs/UPSTREAM.md, scripts/repro/zero_size_residual_in_scan.py). Our block
+binds the GEMM as one primitive (`upstream/opaque_vjp.py`), so the two-GPU proxy compiles scanned."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+from maxtext_moe.recipe.hardware import profile
+from maxtext_moe.upstream import deviceless
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not deviceless.available(), reason="needs JAX's CUDA plugin (the gpu extra)"),
+]
+REPRO = REPO / "scripts" / "repro" / "zero_size_residual_in_scan.py"
+NO_GPU = {"CUDA_VISIBLE_DEVICES": "", "JAX_PLATFORMS": "cpu", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
+
+
+def _repro(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    target = tmp_path / "h200.txtpb"
+    target.write_text(deviceless.target_config(profile("h200")), encoding="utf-8")
+    cmd = [sys.executable, str(REPRO), "--kernel", "te", "--target-config", str(target), *args]
+    return subprocess.run(cmd, env=dict(os.environ, **NO_GPU), capture_output=True, text=True, timeout=600)
+
+
+def test_te_grouped_gemm_in_a_differentiated_scan_still_crashes_xla(tmp_path: Path) -> None:
+    """TE's own grouped GEMM, unwrapped: unrolled compiles, scanned dies with SIGSEGV in pinned JAX 0.11.2.
+    When the scanned compile passes, JAX fixed it: `opaque_vjp` can go (JAX 0.12.0.1 compiles it)."""
+    unrolled = _repro(tmp_path, "--unrolled")
+    assert unrolled.returncode == 0 and "compiled" in unrolled.stdout, unrolled.stderr[-2000:]
+    assert _repro(tmp_path).returncode == -11
+
+
+def test_the_two_gpu_proxy_compiles_with_scanned_layers() -> None:
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "maxtext_moe",
+            "plan",
+            "deepseek3-proxy-h200-2gpu",
+            "scan_layers=true",
+            "--compile",
+            "--json",
+        ],
+        cwd=REPO,
+        env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(r.stdout)
+    assert result["route"] == "gpu-aot" and result["compiled"]["devices"] == 2
+    assert result["compiled"]["mesh"]["expert"] == 2
