@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax._src import dispatch
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
@@ -38,6 +39,9 @@ _call_p.def_abstract_eval(_abstract)
 mlir.register_lowering(
     _call_p, lambda ctx, *args, fn: mlir.lower_fun(fn, multiple_results=True)(ctx, *args), cacheable=False
 )
+# What it wraps may hold custom-partitioned calls (TE's are), whose lowering needs the devices: JAX looks for
+# them in the jaxpr, where the wrapped function is not yet traced, so the primitive says so itself.
+dispatch.prim_requires_devices_during_lowering.add(_call_p)
 
 
 @dataclass(frozen=True)
