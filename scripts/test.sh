@@ -12,5 +12,6 @@ cd "$root"
 "$root/scripts/setup-slurm.sh"                     # SLURM and munge for the job tests (tests/slurm_cluster.py)
 # Whole files to a worker (--dist loadfile): a file's module-scoped fixtures, such as test_slurm_job.py's cluster
 # and uninterrupted reference job, then run once (pytest-xdist 3.8's loadgroup marks have no effect under pytest 9).
-# Files go out in collection order, which tests/conftest.py starts with the longest (--no-loadscope-reorder).
-exec "$py" -m pytest -n 2 --dist loadfile --no-loadscope-reorder "$@"
+# Files go out in collection order, which tests/conftest.py starts with the longest (--no-loadscope-reorder);
+# the 30 slowest tests are listed at the end.
+exec "$py" -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=30 "$@"
