@@ -6,8 +6,8 @@ recomputed. This module adds up, per GPU: parameters, gradients and AdamW state 
 shardings; the layer inputs and the `device` tensors every layer keeps for the backward pass; one
 layer's transient working set (recomputed tensors, their gradients, MoE dispatch buffers); gathered
 FSDP (or scan-sliced) layer weights; and logits. Host memory holds the `offload` tensors (and offloaded
-optimizer state). Unrolled and scanned layers peak differently (`_unrolled_peak`); every constant is checked
-against the measured proxy peaks in tests/unit/test_plan_calibration.py.
+optimizer state). Unrolled and scanned layers peak differently (`_unrolled_peak`, `_scanned_peak`); every
+constant is checked against the measured proxy peaks and XLA's compiles in tests/unit/test_plan_calibration.py.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ LOGIT_FP32_COPIES = 2
 # the gradient awaiting reduce-scatter. Scanned at FSDP 1 as well: the loop body slices its layer out of the
 # stacked weights (a copy), the next iteration's slice is made early, and the layer's gradient is a fresh
 # buffer before it is written into the stacked gradient. Three copies put every scanned one-H200 proxy run
-# within 4% at batch 2-4 (without them, 8-14% low: 77.8 GiB measured against 68.0 planned at batch 2, full
+# within 6% at batch 2-8 (without them, 7-17% low: 77.8 GiB measured against 65.5 planned at batch 2, full
 # remat); unrolled at FSDP 1 the weights are used in place.
 LAYER_WEIGHT_COPIES = 3
 
@@ -94,9 +94,10 @@ def _working_set(sizes: dict[str, float], remat: dict[str, str]) -> float:
 
 
 UNROLLED_GRADIENTS = "gradients (beyond the activations freed before them)"
-UNROLLED_TRANSIENT = "logits + loss, or one layer's backward working set (never live together)"
+TRANSIENT = "logits + loss, or one layer's backward working set (never live together)"
 WEIGHT_COPIES = "layer weight copies (scan slice, FSDP gather, layer gradient)"
 ACCUMULATED_GRADIENTS = "accumulated gradients (gradient_accumulation_steps > 1)"
+SCANNED_EXPERT_COPY = "expert weights laid out for the FSDP gather, kept through the layer loop"
 ACCUMULATED_EXPERT_COPY = "expert weights laid out for the FSDP gather, kept through the accumulation loop"
 
 
@@ -114,8 +115,7 @@ def _unrolled_peak(device: dict[str, float], layer_saved: float) -> None:
     recompute before that collective is done, and no memory is reused. The logits and their fp32 copies are
     freed once the head's backward is done, before any layer's backward starts: the two never coexist. The
     parameter gradients appear as the activations free, and count only where they (with one layer's working
-    set) outgrow them. Scanned, the loop's residuals are one stacked buffer freed after the loop, and the
-    loop carries the stacked gradients from its first iteration: every term counts in full.
+    set) outgrow them.
     Not read from XLA's buffer assignment; checked against every measured proxy peak
     (tests/unit/test_plan_calibration.py): counting the working set and logits on top of each other and the
     saved tensors put the one-H200 unrolled proxy 17-22% high at batch 8; reusing the layer's saved tensors
@@ -124,8 +124,34 @@ def _unrolled_peak(device: dict[str, float], layer_saved: float) -> None:
     working = device.pop("layer working set (recompute + MoE dispatch)")
     logits = device.pop("logits + loss")
     transient = max(logits, working - layer_saved)
-    device[UNROLLED_TRANSIENT] = transient
+    device[TRANSIENT] = transient
     device[UNROLLED_GRADIENTS] = max(0.0, grads + working - device["saved activations (remat policy)"] - transient)
+
+
+def _scanned_peak(device: dict[str, float], lay: Layout, routed_expert_bytes: float) -> None:
+    """Scanned layers: the loop's saved tensors are one stacked buffer, freed after the backward loop, and the
+    backward carries the stacked gradients from before its first iteration, so both count in full; the head's
+    backward (logits, their fp32 copies and gradient) is done before the backward loop starts, so the logits
+    and one layer's backward working set are never live together, as unrolled.
+
+    Read from XLA's buffers (deviceless compile of `deepseek3-671b-h200-128` with scan_layers=true, one
+    accumulation step, 107.8 GiB; its HLO dump's live ranges, `python -m maxtext_moe.plan.peak`): the head's
+    backward holds the fp32 logits and their gradient (23.7 GiB) beside the state and the stacked layer inputs
+    (19.0); the MTP layer's backward then holds the bf16 logits and their gradient (11.8), its own buffers and
+    the stacked expert gradients, allocated there (9.5), and no fp32 logits; inside the backward loop one
+    layer's recompute, exchange buffers and gathered weights are live beside the bf16 logits' gradient (5.9).
+    Counting the logits and the working set on top of each other put the H200 and H100 compiles 18-26% above
+    XLA's (one step and accumulated).
+
+    XLA also lays the FSDP-sharded routed expert weights of every layer out for the all-gather (the sharded
+    embedding dimension major: bf16[448,58,32,2048] beside the state's [32,58,448,2048]) once, before the
+    forward loop, since the stacked weights do not change across its iterations, and keeps them to the end of
+    the backward loop (9.5 GiB at every phase of the same dump), as the accumulation loop does for unrolled
+    layers. Seen with TE's grouped GEMM; MaxText's block on tokamax at FSDP2 measured without it (the
+    two-H200 FSDP proxies, scanned: -8% to +2% of their plan without this term, +4% to +12% with it)."""
+    device[TRANSIENT] = max(device.pop("logits + loss"), device.pop("layer working set (recompute + MoE dispatch)"))
+    if lay.fsdp > 1 and lay.moe_path == "te":
+        device[SCANNED_EXPERT_COPY] = routed_expert_bytes
 
 
 def per_gpu(m: Model, lay: Layout) -> Memory:
@@ -172,7 +198,10 @@ def per_gpu(m: Model, lay: Layout) -> Memory:
     copies = LAYER_WEIGHT_COPIES if lay.fsdp > 1 or lay.scanned else 0
     device[WEIGHT_COPIES] = gathered * lay.weight_bytes * copies
     device["logits + loss"] = logits
-    if not lay.scanned:
+    routed_expert_bytes = m.routed_expert_params / (shard * lay.pp) * lay.weight_bytes
+    if lay.scanned:
+        _scanned_peak(device, lay, routed_expert_bytes)
+    else:
         moe_saved = m.emb / lay.tp + sum(s for t, s in tensor_sizes(m, lay, True).items() if lay.remat[t] == "device")
         layer_saved = 0.0 if _layer_has_collectives(lay) else micro_tokens * moe_saved * act
         _unrolled_peak(device, layer_saved)
@@ -186,7 +215,7 @@ def per_gpu(m: Model, lay: Layout) -> Memory:
             # its gather; the weights are the same in every micro-batch, so in the accumulation loop it does it
             # once, before the loop, and keeps every layer's copy through it (deviceless compile of the H200
             # recipe's 5 layers: the peak holds the 9 expert matrices' transposes, 0.49 GiB).
-            device[ACCUMULATED_EXPERT_COPY] = m.routed_expert_params / (shard * lay.pp) * lay.weight_bytes
+            device[ACCUMULATED_EXPERT_COPY] = routed_expert_bytes
     if saved_host:
         host["offloaded activations"] = stage_tokens * saved_host * act
     return Memory(device=device, host=host)
