@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -116,13 +117,27 @@ def compile_in_subprocess(
                 proc.wait()
     if proc.returncode != 0:
         raise UserError(
-            f"compiling {compiled.name}'s training step failed: {_last_error(log) or f'exit {proc.returncode}'}",
+            f"compiling {compiled.name}'s training step failed: {_failure(log, proc.returncode)}",
             key="--compile",
             fix=f"the full log is {log}.",
         )
     result = json.loads((work / "result.json").read_text(encoding="utf-8"))
     shutil.rmtree(work, ignore_errors=True)
     return result | {"xla_flags": env.get("XLA_FLAGS", "")}
+
+
+def _failure(log: Path, returncode: int) -> str:
+    """Why the compile's process ended: the signal that killed it (XLA crashes in native code, where the log
+    ends mid-phase with no error), else the exception it ended with."""
+    if returncode < 0:
+        name = signal.Signals(-returncode).name
+        hint = {
+            "SIGSEGV": "XLA's compiler crashed; docs/UPSTREAM.md lists the crashes known and their workarounds",
+            "SIGABRT": "XLA's compiler aborted; the log's last lines say where",
+            "SIGKILL": "killed, most often by the kernel's out-of-memory killer: the compile needs more host memory",
+        }.get(name, "killed")
+        return f"the compile process died of {name} ({hint})"
+    return _last_error(log) or f"exit {returncode}"
 
 
 def _last_error(log: Path) -> str:

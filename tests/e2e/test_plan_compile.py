@@ -92,3 +92,20 @@ def test_a_dump_without_a_buffer_assignment_gives_a_note_after_the_compile(tmp_p
     assert r.returncode == 0, r.stderr
     assert "compiled/planned" in r.stdout and "what is alive at XLA's peak: not read from" in r.stdout
     assert "no buffer assignment of 'jit_train_step'" in r.stdout
+
+
+def test_a_compiler_crash_is_named_not_the_logs_last_line(tmp_path, monkeypatch) -> None:
+    """XLA crashing in native code leaves a log that ends mid-phase; the error names the signal instead of
+    quoting that last line. A stand-in interpreter kills itself with SIGSEGV, as XLA did (docs/UPSTREAM.md)."""
+    from maxtext_moe.cli import resolve
+    from maxtext_moe.errors import UserError
+    from maxtext_moe.plan import compile_route, compiled
+
+    crash = tmp_path / "python"
+    crash.write_text("#!/bin/sh\necho 'WARNING: Finished jaxpr to MLIR module conversion'\nkill -SEGV $$\n")
+    crash.chmod(0o755)
+    monkeypatch.setattr(compiled.sys, "executable", str(crash))
+    route = compile_route.choose_route(resolve("deepseek3-tiny-cpu", []), gpus_here=0)
+    with pytest.raises(UserError) as e:
+        compiled.compile_in_subprocess(resolve("deepseek3-tiny-cpu", list(route.overrides)), route, every_s=1.0)
+    assert "died of SIGSEGV (XLA's compiler crashed" in str(e.value) and "WARNING" not in str(e.value)
