@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax._src import dispatch
 from jax.extend.core import Primitive
-from jax.interpreters import mlir
+from jax.interpreters import batching, mlir
 
 _call_p = Primitive("maxtext_moe_opaque_call")
 _call_p.multiple_results = True
@@ -39,6 +39,16 @@ _call_p.def_abstract_eval(_abstract)
 mlir.register_lowering(
     _call_p, lambda ctx, *args, fn: mlir.lower_fun(fn, multiple_results=True)(ctx, *args), cacheable=False
 )
+
+
+def _batch(args: Sequence[jax.Array], dims: Sequence[Any], *, fn: Callable[..., list[jax.Array]]) -> tuple:
+    """Under `jax.vmap` (the emulated expert-parallel layer), the wrapped function vmapped, still one unit."""
+    in_axes = tuple(dims)  # None for an argument that is not batched
+    outs = _call_p.bind(*args, fn=lambda *a: jax.vmap(fn, in_axes=in_axes)(*a))
+    return outs, [0] * len(outs)
+
+
+batching.primitive_batchers[_call_p] = _batch
 # What it wraps may hold custom-partitioned calls (TE's are), whose lowering needs the devices: JAX looks for
 # them in the jaxpr, where the wrapped function is not yet traced, so the primitive says so itself.
 dispatch.prim_requires_devices_during_lowering.add(_call_p)
