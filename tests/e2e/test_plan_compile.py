@@ -31,8 +31,14 @@ def check_state(data: dict) -> None:
     )
 
 
-def test_tiny_recipe_on_four_cpu_devices_matches_the_planned_state() -> None:
-    data = compile_json("deepseek3-tiny-cpu", "topology.gpus_per_node=4", "ici_fsdp_parallelism=-1")
+@pytest.fixture(scope="module")
+def four() -> dict:
+    """The tiny recipe compiled for four CPU devices under FSDP, once for the tests that read it."""
+    return compile_json("deepseek3-tiny-cpu", "topology.gpus_per_node=4", "ici_fsdp_parallelism=-1")
+
+
+def test_tiny_recipe_on_four_cpu_devices_matches_the_planned_state(four: dict) -> None:
+    data = four
     assert data["route"] == "cpu" and "bias against a GPU compile is unknown" in data["route_description"]
     res = data["compiled"]
     assert (res["devices"], res["platform"], res["mesh"]["fsdp"], res["partitioner"]) == (4, "cpu", 4, "shardy")
@@ -42,8 +48,7 @@ def test_tiny_recipe_on_four_cpu_devices_matches_the_planned_state() -> None:
 
 
 @pytest.mark.slow
-def test_one_device_holds_four_times_the_fsdp4_state_and_text_names_the_route() -> None:
-    four = compile_json("deepseek3-tiny-cpu", "topology.gpus_per_node=4", "ici_fsdp_parallelism=-1")
+def test_one_device_holds_four_times_the_fsdp4_state_and_text_names_the_route(four: dict) -> None:
     one = compile_json("deepseek3-tiny-cpu", "shardy=false")  # MaxText's own key: GSPMD, as its train sets it
     check_state(one)
     assert one["compiled"]["partitioner"] == "gspmd"
