@@ -38,6 +38,8 @@ Each module names the gap it fills. `SYMBOLS` lists what they touch, so that one
   `maxtext_utils.create_learning_rate_schedule` (a multi-phase learning rate), wraps `train.train_step` (the batch
   ramp as a loss mask, the step's schedule values in its metrics), and rebinds `moe.load_balance_updates_from_counts`
   (also as `gradient_accumulation` imports it) and `train.calculate_mtp_loss` (bias-update rate and MTP weight by step).
+- `opaque_vjp`: a JAX primitive of our own around TE's grouped GEMM, declared in
+  `jax._src.dispatch.prim_requires_devices_during_lowering` (it lowers TE's custom-partitioned calls).
 - `deviceless`: answers the trace-time GPU queries of JAX's cuDNN attention (`check_compute_capability`,
   `is_cuda_compute_capability_equal`) and TE (`get_device_compute_capability`), and drops `jax.debug.callback`,
   to compile for GPUs on a machine without one (`jax.experimental.topologies.get_topology_desc`).
@@ -93,6 +95,7 @@ SYMBOLS: tuple[tuple[str, str, str], ...] = (
     ("maxtext", "maxtext.checkpoint_conversion.utils.tensor_handling", "stacked_axes"),
     ("maxtext", "maxtext.checkpoint_conversion.utils.tensor_handling", "nesting_depth"),
     ("maxtext", "maxtext.checkpoint_conversion.utils.hf_model_configs", "deepseek3_671b_dict"),
+    ("jax", "jax._src.dispatch", "prim_requires_devices_during_lowering"),
     ("orbax-checkpoint", "orbax.checkpoint.type_handlers", "NumpyHandler._open_and_write"),
     ("orbax-checkpoint", "orbax.checkpoint.type_handlers", "get_json_tspec_read"),
     ("orbax-checkpoint", "orbax.checkpoint.type_handlers", "get_ts_context"),
