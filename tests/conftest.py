@@ -91,6 +91,21 @@ def one_accumulation_step(recipe: str, *overrides: str) -> list[str]:
     return [*overrides, f"training.batch_start={per_step}", f"training.batch_end={per_step}"]
 
 
+def compile_without_gpu(*args: str) -> dict:
+    """`plan ARGS --compile --json` with no GPU visible: the deviceless route where JAX's CUDA plugin is
+    installed (the GPU tests' compiles for GPUs that are not there)."""
+    r = subprocess.run(
+        [sys.executable, "-m", "maxtext_moe", "plan", *args, "--compile", "--json"],
+        cwd=REPO,
+        env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout)
+
+
 def read_metrics(run_dir: Path) -> dict[int, dict]:
     """Step -> MaxText's scalars from the run's metrics file (a resumed run appends)."""
     return progress.read_metrics(run_dir / "metrics.jsonl")

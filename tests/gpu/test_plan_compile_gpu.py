@@ -15,7 +15,7 @@ from pathlib import Path
 
 import jax
 import pytest
-from conftest import REPO, one_accumulation_step
+from conftest import REPO, compile_without_gpu, one_accumulation_step
 
 from maxtext_moe.upstream import deviceless
 
@@ -44,20 +44,6 @@ def test_sharded_compile_with_te_fp8_dense_gemms() -> None:
 NEEDS_PLUGIN = pytest.mark.skipif(not deviceless.available(), reason="needs JAX's CUDA plugin (the gpu extra)")
 
 
-def _compile_without_gpu(*args: str) -> dict:
-    """`plan ARGS --compile --json` with no GPU visible: the deviceless route where the plugin is installed."""
-    r = subprocess.run(
-        [sys.executable, "-m", "maxtext_moe", "plan", *args, "--compile", "--json"],
-        cwd=REPO,
-        env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout)
-
-
 @pytest.mark.gpu
 @NEEDS_PLUGIN
 def test_deviceless_compile_of_the_ep2_proxy_is_close_to_the_gpu_compile(tmp_path: Path) -> None:
@@ -66,7 +52,7 @@ def test_deviceless_compile_of_the_ep2_proxy_is_close_to_the_gpu_compile(tmp_pat
     what XLA scheduled inside each asynchronous all-to-all."""
     dump = [f"xla_flags.xla_dump_to={tmp_path}", "xla_flags.xla_dump_hlo_as_text=true"]
     dump.append("xla_flags.xla_dump_hlo_module_re=jit_train_step")
-    result = _compile_without_gpu("deepseek3-proxy-h200-2gpu", *dump)
+    result = compile_without_gpu("deepseek3-proxy-h200-2gpu", *dump)
     compiled = result["compiled"]
     assert result["route"] == "gpu-aot" and compiled["devices"] == 2 and "H200" in compiled["device_kind"]
     assert compiled["mesh"]["expert"] == 2 and result["state_compiled_over_planned"] == pytest.approx(1.0, abs=0.01)
@@ -94,7 +80,7 @@ def test_five_layers_of_the_h200_128_recipe_accumulating_to_the_papers_batch_com
     GPU against 46.7 for one step. Without maxtext_moe/upstream/remat_cse.py MaxText drops the remat barrier of
     unrolled layers under accumulation on GPUs, XLA merges each layer's recomputation with its forward and the
     step needs 82.4 GiB."""
-    result = _compile_without_gpu("deepseek3-671b-h200-128", "base_num_decoder_layers=5")
+    result = compile_without_gpu("deepseek3-671b-h200-128", "base_num_decoder_layers=5")
     assert result["compiled"]["device_total_bytes"] < 52 * GIB
     assert result["compiled_over_planned"] < 1.15
 
@@ -109,7 +95,7 @@ def test_five_layers_of_the_h200_128_recipe_compile_within_15_percent_of_the_pla
     the backward (62.6 GiB). With both fixed: 46.1 GiB, planned 42.4. Its peak, from the HLO dump, is the
     output head's: the loss's float32 gradient of the logits is the largest buffer alive there."""
     dump = [f"xla_flags.xla_dump_to={tmp_path}", "xla_flags.xla_dump_hlo_as_text=true"]
-    result = _compile_without_gpu(*FIVE_LAYERS_ONE_STEP, *dump)
+    result = compile_without_gpu(*FIVE_LAYERS_ONE_STEP, *dump)
     assert result["compiled"]["device_total_bytes"] < 52 * GIB
     assert result["compiled_over_planned"] < 1.15
     largest = result["at_peak"]["groups"][0]
@@ -123,7 +109,7 @@ def test_five_layers_of_the_gb200_recipe_compile_deviceless_for_blackwell() -> N
     cuDNN attention standing in for TE's (which asks the GPU driver). 5 layers, 2026-12-01: 50.9 GiB per GPU
     (54.7 with the MoE up-projection offloaded, which XLA keeps in HBM until each layer's backward)."""
     recipe = "deepseek3-671b-gb200-128"
-    result = _compile_without_gpu(recipe, *one_accumulation_step(recipe, "base_num_decoder_layers=5"))
+    result = compile_without_gpu(recipe, *one_accumulation_step(recipe, "base_num_decoder_layers=5"))
     compiled = result["compiled"]
     assert "GB200" in compiled["device_kind"] and compiled["devices"] == 128
     assert "attention=cudnn_flash_jax" in result["compiled_with_overrides"]

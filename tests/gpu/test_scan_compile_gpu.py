@@ -7,14 +7,13 @@ binds the GEMM as one primitive (`upstream/opaque_vjp.py`), so the two-GPU proxy
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, compile_without_gpu
 
 from maxtext_moe.recipe.hardware import profile
 from maxtext_moe.upstream import deviceless
@@ -43,24 +42,6 @@ def test_te_grouped_gemm_in_a_differentiated_scan_still_crashes_xla(tmp_path: Pa
 
 
 def test_the_two_gpu_proxy_compiles_with_scanned_layers() -> None:
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "maxtext_moe",
-            "plan",
-            "deepseek3-proxy-h200-2gpu",
-            "scan_layers=true",
-            "--compile",
-            "--json",
-        ],
-        cwd=REPO,
-        env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    result = json.loads(r.stdout)
+    result = compile_without_gpu("deepseek3-proxy-h200-2gpu", "scan_layers=true")
     assert result["route"] == "gpu-aot" and result["compiled"]["devices"] == 2
     assert result["compiled"]["mesh"]["expert"] == 2
