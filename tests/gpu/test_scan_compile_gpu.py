@@ -7,6 +7,8 @@ binds the GEMM as one primitive (`upstream/opaque_vjp.py`), so the two-GPU proxy
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -45,3 +47,37 @@ def test_the_two_gpu_proxy_compiles_with_scanned_layers() -> None:
     result = compile_without_gpu("deepseek3-proxy-h200-2gpu", "scan_layers=true")
     assert result["route"] == "gpu-aot" and result["compiled"]["devices"] == 2
     assert result["compiled"]["mesh"]["expert"] == 2
+
+
+DSF_REPRO = REPO / "scripts" / "repro" / "dynamic_slice_fusion_duplicates_gemm_in_scan.py"
+
+
+def _gemms_per_loop(tmp_path: Path, *args: str) -> list[int]:
+    target = tmp_path / "h200.txtpb"
+    target.write_text(deviceless.target_config(profile("h200")), encoding="utf-8")
+    cmd = [sys.executable, str(DSF_REPRO), "--target-config", str(target), *args]
+    r = subprocess.run(cmd, env=dict(os.environ, **NO_GPU), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.splitlines()[-1])["gemms_per_loop_body"]
+
+
+def test_dynamic_slice_fusion_still_runs_a_saved_gemm_twice_in_a_scanned_forward(tmp_path: Path) -> None:
+    """TE's grouped GEMM whose output the remat policy saves, in a differentiated scan: XLA's dynamic-slice
+    fusion leaves two GEMMs in the forward loop, one without it. When both give one, XLA fixed it and
+    `configs/moe/ours-te.yml` can drop the flag."""
+    assert _gemms_per_loop(tmp_path) == [2, 2]
+    assert _gemms_per_loop(tmp_path, "--no-dynamic-slice-fusion") == [1, 2]
+
+
+def test_the_scanned_proxy_runs_each_expert_gemm_once_in_its_forward_loop(tmp_path: Path) -> None:
+    """The one-GPU proxy scanned (batch 2, within an H200): the MoE layers' forward loop runs the gate, up and
+    down GEMMs once each, the backward loop two GEMMs (input and weight gradients) for each."""
+    dump = tmp_path / "hlo"
+    compile_without_gpu(
+        "deepseek3-proxy-h200-1gpu", "scan_layers=true", "per_device_batch_size=2", f"xla_flags.xla_dump_to={dump}"
+    )
+    (hlo,) = dump.glob("*jit_train_step*after_optimizations.txt")
+    spec = importlib.util.spec_from_file_location("dsf_repro", DSF_REPRO)
+    repro = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(repro)
+    assert repro.gemms_per_loop(hlo.read_text()) == [3, 6]
