@@ -89,6 +89,7 @@ class Layout:
     dedup_dispatch: bool  # EP sends a token once per destination rank (our block), not once per expert
     dense_exchange: bool  # ours over XLA's plain all-to-all: one block of T rows to every peer (moe.exchange auto)
     scanned: bool  # MaxText's scan_layers: one loop over the layers, whose backward carries the stacked gradients
+    slice_fusion: bool  # XLA's dynamic-slice fusion, which runs a scanned loop's saved TE GEMMs twice
 
     @property
     def tokens(self) -> float:
@@ -268,5 +269,6 @@ def from_recipe(r: ResolvedRecipe, gpus: int | None = None, gpu_type: str | None
         offload_params=bool(r.effective("parameter_memory_host_offload")),
         dedup_dispatch=moe.ours,
         scanned=bool(r.effective("scan_layers")),
+        slice_fusion=r.slice_fusion,
         dense_exchange=moe.ours and moe.exchange_impl == "all_to_all",
     )

@@ -14,11 +14,13 @@ def notes(resolved: ResolvedRecipe) -> list[str]:
     """One line per measured slow combination or routing difference in `resolved`; empty when there is none."""
     found = _routing_differences(resolved)
     moe, policy = resolved.moe_settings, str(resolved.effective("remat_policy"))
-    if moe.ours and moe.gemm == "te" and resolved.effective("scan_layers") and policy != "full":
+    scanned = resolved.effective("scan_layers")
+    if moe.ours and moe.gemm == "te" and scanned and policy != "full" and resolved.slice_fusion:
         found.append(
-            f"note: scan_layers is true with moe.gemm: te and remat_policy: {policy}; on an H200 the scanned step "
-            "computed every saved expert GEMM output twice (48 grouped GEMMs a step instead of 36; 0.817 s against "
-            "0.714 s unrolled). Set scan_layers: false unless compile time matters more (docs/PERFORMANCE.md)."
+            f"note: scan_layers is true with moe.gemm: te, remat_policy: {policy} and XLA's dynamic-slice fusion on; "
+            "it runs every saved expert GEMM twice in the forward loop (on an H200, 48 grouped GEMMs a step instead "
+            "of 36; 0.817 s against 0.714 s unrolled). Set xla_flags.xla_gpu_enable_dynamic_slice_fusion=false, as "
+            "moe/ours-te does (docs/UPSTREAM.md)."
         )
     expert_parallel = any(resolved.effective(f"{net}_expert_parallelism") != 1 for net in ("ici", "dcn"))
     if moe.ours and moe.gemm == "te" and expert_parallel and float(resolved.effective("ragged_buffer_factor")) <= 0:

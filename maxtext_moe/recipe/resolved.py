@@ -104,6 +104,12 @@ class ResolvedRecipe:
         """The `training` section as code reads it, or None when the recipe leaves the schedule to MaxText."""
         return None if self.training is None else TrainingSettings.from_dict(self.training)
 
+    @property
+    def slice_fusion(self) -> bool:
+        """Whether XLA's dynamic-slice fusion is on (XLA's default): in a scanned loop it runs twice every
+        custom-call GEMM whose output the remat policy saves (scripts/repro/, dynamic_slice_fusion_*)."""
+        return "--xla_gpu_enable_dynamic_slice_fusion=false" not in str(self.env.get("XLA_FLAGS", "")).split()
+
     def effective(self, key: str) -> Any:
         """A MaxText key's value as MaxText will see it: recipe, else model file, else base.yml."""
         if key in self.maxtext:

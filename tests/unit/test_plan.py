@@ -222,3 +222,21 @@ def test_fp8_proxy_recipe_is_the_bf16_proxy_with_fp8_gemms_and_more_memory() -> 
     assert fp8.attention == bf16.attention
     assert estimate(fp8).fits
     assert not estimate(cli.resolve("deepseek3-proxy-h200-1gpu-fp8", ["env.XLA_PYTHON_CLIENT_MEM_FRACTION=0.88"])).fits
+
+
+def test_scanned_te_recomputes_saved_expert_gemms_only_with_slice_fusion_on() -> None:
+    """XLA's dynamic-slice fusion runs each saved expert GEMM twice in a scanned forward loop
+    (scripts/repro/dynamic_slice_fusion_duplicates_gemm_in_scan.py); `moe/ours-te` turns it off, and the plan
+    then times the scanned step's expert GEMMs as the unrolled one's."""
+    one = "deepseek3-proxy-h200-1gpu"
+    unrolled, scanned, fused = (
+        estimate(cli.resolve(one, list(o)))
+        for o in ((), ("scan_layers=true",), ("scan_layers=true", "xla_flags.xla_gpu_enable_dynamic_slice_fusion=true"))
+    )
+    assert (unrolled.layout.slice_fusion, scanned.layout.slice_fusion, fused.layout.slice_fusion) == (
+        False,
+        False,
+        True,
+    )
+    assert scanned.recompute_fraction == unrolled.recompute_fraction
+    assert fused.recompute_fraction > scanned.recompute_fraction

@@ -88,7 +88,8 @@ def overrides(result: dict) -> list[str]:
     `settings` holds every key the recipe set when the run was made; a key the recipe has set since
     (e.g. ragged_buffer_factor) ran at MaxText's default. Results written before `bench` recorded the moe
     section ran MaxText's own block; a moe field missing from an older record had not been added yet, and
-    those runs behaved as its `recompute`/`auto`/0 value. The attention section is recorded since it has one."""
+    those runs behaved as its `recompute`/`auto`/0 value. The attention section is recorded since it has one,
+    and the environment (XLA_FLAGS among it) since `bench` writes it."""
     settings = dict(result["settings"])
     recipe = cli.resolve(result["recipe"], [])
     model_defaults = maxtext_keys.model_defaults(str(settings.get("model_name", "default")))
@@ -102,11 +103,14 @@ def overrides(result: dict) -> list[str]:
     attention = result.get("attention") or {"residuals": moe.pop("attention_residuals", "recompute")}
     env = result.get("env") or {}
     fraction = [f"env.{MEM_FRACTION}={env[MEM_FRACTION]}"] if MEM_FRACTION in env else []
+    # A run whose recorded XLA_FLAGS leave dynamic-slice fusion out ran with XLA's default, on.
+    fusion = re.search(r"--xla_gpu_enable_dynamic_slice_fusion=(\w+)", env.get("XLA_FLAGS", ""))
     return (
         keys
         + [f"moe.{k}={v}" for k, v in moe.items()]
         + [f"attention.{k}={v}" for k, v in attention.items()]
         + fraction
+        + [f"xla_flags.xla_gpu_enable_dynamic_slice_fusion={fusion.group(1) if fusion else 'true'}"]
     )
 
 

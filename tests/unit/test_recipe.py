@@ -373,16 +373,18 @@ def test_moe_fp8_needs_te_and_fp8_hardware():
     assert "moe.fp8: applies only to moe.impl: ours" in error_of(TINY, "moe.fp8=current_scaling")
 
 
-def test_advice_names_the_scanned_te_step_that_computes_gemms_twice():
+def test_advice_names_the_scanned_te_step_whose_slice_fusion_runs_gemms_twice():
     from maxtext_moe.recipe import advice
 
-    assert advice.notes(compose_resolve("deepseek3-proxy-h200-1gpu")) == []  # unrolled, as measured fastest
-    (note,) = advice.notes(compose_resolve("deepseek3-proxy-h200-1gpu", "scan_layers=true"))
-    assert "scan_layers is true with moe.gemm: te and remat_policy: minimal" in note and "scan_layers: false" in note
-    assert advice.notes(compose_resolve("deepseek3-proxy-h200-1gpu", "scan_layers=true", "remat_policy=full")) == []
-    assert advice.notes(compose_resolve("deepseek3-proxy-h200-1gpu", "scan_layers=true", "moe.gemm=tokamax")) == []
+    assert advice.notes(compose_resolve("deepseek3-proxy-h200-1gpu")) == []
+    assert advice.notes(compose_resolve("deepseek3-proxy-h200-1gpu", "scan_layers=true")) == []  # ours-te: fusion off
+    fused = ("scan_layers=true", "xla_flags.xla_gpu_enable_dynamic_slice_fusion=true")
+    (note,) = advice.notes(compose_resolve("deepseek3-proxy-h200-1gpu", *fused))
+    assert "dynamic-slice fusion" in note and "xla_gpu_enable_dynamic_slice_fusion=false" in note
+    assert advice.notes(compose_resolve("deepseek3-proxy-h200-1gpu", *fused, "remat_policy=full")) == []
+    assert advice.notes(compose_resolve("deepseek3-proxy-h200-1gpu", *fused, "moe.gemm=tokamax")) == []
     shown = subprocess.run(
-        [sys.executable, "-m", "maxtext_moe", "show", "deepseek3-proxy-h200-1gpu", "scan_layers=true"],
+        [sys.executable, "-m", "maxtext_moe", "show", "deepseek3-proxy-h200-1gpu", *fused],
         capture_output=True,
         text=True,
         check=True,
