@@ -1,5 +1,5 @@
 """Time causal attention forward and backward at the proxy's MLA shape: the kernel behind MaxText's
-`attention: cudnn_flash_jax`.
+`attention: cudnn_flash_jax`, and the other kernels that take MLA's 192-wide queries with 128-wide values.
 
 Why a benchmark of its own: in `bench --profile` cuDNN's attention is 18% of the BF16 proxy step with its
 backward at 36% of the BF16 matmul rate, and the library that runs it (cuDNN, part of the GPU image) can be
@@ -7,10 +7,15 @@ swapped between runs of this script in one device call, which a whole training s
 the same JAX function MaxText's `cudnn_flash_jax` path calls (`fused_attention_stablehlo.dot_product_attention`,
 causal mask, BTNH layout), so the kernels timed are the ones the training step runs. `--implementation einsum`
 times attention written out for XLA (einsum, mask, softmax; any backend, the tests run it on the CPU).
+The candidates for a faster kernel: `tokamax_mosaic` and `tokamax_triton` (tokamax's Mosaic GPU kernels,
+sm90 forward and backward, and its Triton ones; both take the value head dim apart from the query's) and
+`te` (TE's cuDNN fused attention with separate Q, K and V, BSHD; the run records whether TE's own check
+accepts the shape, and which backend).
 
 FLOPs by the planner's convention (`maxtext_moe.plan.flops`): forward 2 x B x S^2 / 2 x H x (d_qk + d_v), the
 backward twice that; the backward's time is forward+backward minus forward. Before timing, the output and dq
-of one sequence are checked against a float32 reference.
+of one sequence's first 16 heads are checked against a float32 reference (all 128 at 8K would need 32 GiB
+of float32 logits).
 
     python benchmarks/bench_attention.py --batch 6 --out attention.json
 """
@@ -27,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from bench_moe_layer import rel, time_fn
 
-IMPLEMENTATIONS = ("cudnn", "einsum")
+IMPLEMENTATIONS = ("cudnn", "tokamax_mosaic", "tokamax_triton", "te", "einsum")
 
 
 def attention_fn(implementation: str, scale: float) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
@@ -35,7 +40,38 @@ def attention_fn(implementation: str, scale: float) -> Callable[[jax.Array, jax.
         from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
 
         return lambda q, k, v: dot_product_attention(q, k, v, mask_type=MaskType.CAUSAL, scale=scale, qkv_layout="BTNH")
+    if implementation.startswith("tokamax_"):
+        import tokamax
+
+        kernel = implementation.removeprefix("tokamax_")
+        return lambda q, k, v: tokamax.dot_product_attention(
+            q, k, v, scale=scale, is_causal=True, implementation=kernel
+        )
+    if implementation == "te":
+        from transformer_engine.jax import attention as te
+
+        return lambda q, k, v: te.fused_attn(
+            (q, k, v), None, None, None, te.AttnBiasType.NO_BIAS, te.AttnMaskType.CAUSAL_MASK,
+            te.QKVLayout.BSHD_BSHD_BSHD, te.AttnSoftmaxType.VANILLA_SOFTMAX, scale, 0.0, True,
+        )  # fmt: skip
     return lambda q, k, v: reference(q, k, v, scale)
+
+
+def te_backend(b: int, s: int, h: int, d_qk: int, d_v: int) -> str:
+    """The kernel TE's own check picks for this shape, with its reason when it rejects one
+    (`NVTE_F16_arbitrary_seqlen` is cuDNN's flash attention; `NVTE_No_Backend` is TE's unfused fallback)."""
+    from transformer_engine.jax import attention as te
+    from transformer_engine.jax.cpp_extensions.attention import FusedAttnHelper
+
+    mask = te.AttnMaskType.CAUSAL_MASK
+    backend, why = FusedAttnHelper(
+        is_training=True, batch_size=b, q_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16,
+        qkv_layout=te.QKVLayout.BSHD_BSHD_BSHD, attn_bias_type=te.AttnBiasType.NO_BIAS, attn_mask_type=mask,
+        softmax_type=te.AttnSoftmaxType.VANILLA_SOFTMAX, dropout_probability=0.0, q_num_heads=h, kv_num_heads=h,
+        q_max_seqlen=s, kv_max_seqlen=s, head_dim_qk=d_qk, head_dim_v=d_v, window_size=(-1, -1),
+        bottom_right_diagonal=mask.is_bottom_right(),
+    ).get_fused_attn_backend()  # fmt: skip
+    return f"{backend} {why}".strip()
 
 
 def reference(q: jax.Array, k: jax.Array, v: jax.Array, scale: float) -> jax.Array:
@@ -83,10 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     forward = jax.jit(attend)
     backward = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
-    one = (q[:1], k[:1], v[:1])
+    one = (q[:1, :, :16], k[:1, :, :16], v[:1, :, :16])
+    one_cot = cot[:1, :, :16]
     one32 = tuple(t.astype(jnp.float32) for t in one)
-    dq_ref = jax.grad(lambda q: jnp.sum(reference(q, *one32[1:], scale) * cot[:1]))(one32[0])
-    dq = jax.jit(jax.grad(lambda q: jnp.sum(attend(q, *one[1:]).astype(jnp.float32) * cot[:1])))(one[0])
+    dq_ref = jax.grad(lambda q: jnp.sum(reference(q, *one32[1:], scale) * one_cot))(one32[0])
+    dq = jax.jit(jax.grad(lambda q: jnp.sum(attend(q, *one[1:]).astype(jnp.float32) * one_cot)))(one[0])
     result: dict[str, Any] = {
         "label": a.label,
         "device": jax.devices()[0].device_kind,
@@ -96,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         "rel_err_out": rel(forward(*one), reference(*one32, scale)),
         "rel_err_dq": rel(dq, dq_ref),
     }
+    if a.implementation == "te":
+        result["te_backend"] = te_backend(b, s, h, a.d_qk, a.d_v)
     forward_flops = 2.0 * b * s * s / 2 * h * (a.d_qk + a.d_v)
     fwd = time_fn(lambda: forward(q, k, v), a.warmup, a.iters)
     both = time_fn(lambda: backward(q, k, v), a.warmup, a.iters)

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One device call: every attention kernel of benchmarks/bench_attention.py at MLA's shape (192-wide queries and
+# keys, 128-wide values, 128 heads), causal, forward and backward, at 4K (the recipe's batch 6) and 8K (batch 3),
+# each checked against the float32 reference; then any `maxtext-moe bench` rungs of
+# scripts/device/proxy_ladder_h200.sh. A kernel that fails logs why and the others go on. Logs and JSON:
+# $OUT/results.tgz; the last lines are one table.
+# Usage there: bash scripts/device/attention_h200.sh STEPS ["NAME [RECIPE] key=value ..." ...]
+#   KERNELS (default "cudnn tokamax_mosaic tokamax_triton te") and SHAPES ("4096:6 8192:3") choose the runs.
+set -uo pipefail
+steps=$1; shift
+source scripts/device/common.sh
+# TE finds cuDNN by its own search (CUDNN_HOME first); pointed at the image's pip cuDNN, the one JAX loads, its
+# sub-libraries load beside it (elsewhere TE's check failed with CUDNN_STATUS_SUBLIBRARY_LOADING_FAILED).
+CUDNN_HOME=$(python3 -c "import nvidia.cudnn as c; print(list(c.__path__)[0])") && export CUDNN_HOME
+export LD_LIBRARY_PATH=$CUDNN_HOME/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+echo "cuDNN for TE: $CUDNN_HOME" | tee -a "$W/attention.txt"
+for shape in ${SHAPES:-4096:6 8192:3}; do
+  for kernel in ${KERNELS:-cudnn tokamax_mosaic tokamax_triton te}; do
+    name=attention_${kernel}_s${shape%:*}
+    NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2 timeout -k 10 "${ATTENTION_TIMEOUT:-150}" \
+      python3 benchmarks/bench_attention.py --implementation "$kernel" --seq "${shape%:*}" --batch "${shape#*:}" \
+      --label "$kernel" --out "$W/$name.json" > "$W/$name.log" 2>&1
+    echo "s=${shape%:*} b=${shape#*:} rc=$? $(tail -1 "$W/$name.log")" | tee -a "$W/attention.txt"
+  done
+  pack
+done
+[ $# -eq 0 ] || bash scripts/device/proxy_ladder_h200.sh "$steps" "$@"
+pack
+cat "$W/attention.txt"
