@@ -139,7 +139,9 @@ class Plan:
         for c in self.collectives:
             lines.append(
                 f"    {c.name}: {c.bytes / GIB:.1f} GiB at {c.gbps:g} GB/s = {c.seconds:.2f} s"
-                f"{' (overlapped)' if c.overlapped else ''}"
+                + (f", {_seconds(c, lay):.2f} s at the {LINK_EFFICIENCY:.0%} of it measured" if c.exposed_share else "")
+                + (f" ({c.exposed_share:.0%} of that exposed, the rest overlapped)" if c.exposed_share else "")
+                + (" (overlapped)" if c.overlapped and not c.exposed_share else "")
             )
         if self.a2a["per_expert"]:
             lines.append(
@@ -261,8 +263,9 @@ def evaluate(name: str, m: Model, lay: Layout, groups: int = 0, topk_groups: int
     recompute = _recompute(m, lay)
     bubble = (lay.pp - 1) / (lay.microbatches + lay.pp - 1) if lay.pp > 1 else 0.0
     compute = _compute_seconds(f, m, lay, recompute) / (1 - bubble) + optimizer_seconds(m, lay)
-    hidden = sum(_seconds(c, lay) for c in colls if c.overlapped)
-    exposed = sum(_seconds(c, lay) for c in colls if not c.overlapped) + max(0.0, hidden - compute)
+    hidden = sum(_seconds(c, lay) * (1 - c.exposed_share) for c in colls if c.overlapped)
+    shown = sum(_seconds(c, lay) * (1 if not c.overlapped else c.exposed_share) for c in colls)
+    exposed = shown + max(0.0, hidden - compute)
     return Plan(
         recipe=name,
         model=m,
