@@ -54,7 +54,7 @@ def test_out_of_memory_becomes_the_plans_figure_and_layouts_that_fit() -> None:
     assert isinstance(e.__cause__, RuntimeError)  # --traceback still shows XLA's error
     suggested = re.findall(r"`([^`]+)` \(([\d.]+) GiB", text.split("Fix: ")[1])
     assert len(suggested) == fit.SUGGESTIONS
-    assert {"per_device_batch_size=2", "memory=offload-moe-up-qv"} <= {overrides for overrides, _ in suggested}
+    assert {"per_device_batch_size=2", "memory=full-remat"} <= {overrides for overrides, _ in suggested}
     for overrides, gib in suggested:  # each, pasted as it is, fits in `plan` at the figure the line gave
         planned = estimate(resolve(PROXY, [*LONG, *overrides.split()]))
         assert planned.fits and f"{planned.memory.device_total / 2**30:.1f}" == gib
@@ -84,7 +84,7 @@ def test_the_warning_before_compiling(capsys: pytest.CaptureFixture[str]) -> Non
     assert line.startswith(
         f"warning: the planner puts {PROXY} (1 device on 1 h200, batch 4/device x seq 8192, remat minimal) at "
         "131.2 GiB per GPU of 123.0 GiB usable on h200: XLA will likely run out of memory once it has compiled; "
-        "nearest layouts that fit, as overrides to add: `memory=offload-moe-up-qv` (116.3 GiB"
+        "nearest layouts that fit, as overrides to add: `memory=full-remat` (101.5 GiB"
     )
     assert fit.warning(PROXY, [], resolve(PROXY, [])) is None  # fits
     assert fit.warning("deepseek3-tiny-cpu", [], resolve("deepseek3-tiny-cpu", [])) is None  # CPU: no GPU memory
