@@ -9,11 +9,6 @@
 set -uo pipefail
 steps=$1; shift
 source scripts/device/common.sh
-# TE finds cuDNN by its own search (CUDNN_HOME first); pointed at the image's pip cuDNN, the one JAX loads, its
-# sub-libraries load beside it (elsewhere TE's check failed with CUDNN_STATUS_SUBLIBRARY_LOADING_FAILED).
-CUDNN_HOME=$(python3 -c "import nvidia.cudnn as c; print(list(c.__path__)[0])") && export CUDNN_HOME
-export LD_LIBRARY_PATH=$CUDNN_HOME/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-echo "cuDNN for TE: $CUDNN_HOME" | tee -a "$W/attention.txt"
 for shape in ${SHAPES:-4096:6 8192:3}; do
   for kernel in ${KERNELS:-cudnn tokamax_mosaic tokamax_triton te}; do
     name=attention_${kernel}_s${shape%:*}

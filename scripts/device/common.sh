@@ -9,6 +9,11 @@ TE_ROOT=${TE_ROOT:-/opt/te}
   python3 -c "import tarfile;tarfile.open('.device/te_h200_bundle.tar.xz').extractall('$TE_ROOT',filter='tar')" || exit 1
 # shellcheck disable=SC1091  # unpacked just above
 source "$TE_ROOT/activate.sh"
+# TE finds cuDNN by a search of its own (CUDNN_HOME first, then CUDA_HOME and /usr/local/cuda); left to it on this
+# image, its attention check failed with CUDNN_STATUS_SUBLIBRARY_LOADING_FAILED at every shape
+# (docs/results/attention_h200_2026-12-04_call1_te_s4096_cudnn_sublibrary_failed.txt). Pointed at the pip cuDNN that
+# JAX loads, TE's fused attention runs MLA's 192/128 head dims.
+CUDNN_HOME=$(python3 -c "import nvidia.cudnn as c; print(list(c.__path__)[0])") && export CUDNN_HOME
 W=${DEVICE_RESULTS:-/tmp/results}; mkdir -p "$W"  # logs gather here; each script packs them into one file under $OUT
 nvidia-smi --query-gpu=index,name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv | tee -a "$W/gpu.txt"
 pack() { tar czf "$OUT/results.tgz" -C "$W" . ; }
