@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Fresh machine -> lint (ruff check, ruff format --check), then the full test suite (CPU), SLURM's included.
-# Extra arguments go to pytest, e.g. scripts/test.sh -m "not slow"; the tests run in two pytest-xdist workers
-# (most are subprocesses that keep one core busy: about 28 minutes on 2 cores, SLURM jobs included), -n 0 for one.
+# Extra arguments go to pytest, e.g. scripts/test.sh -m "not slow"; the tests run in three pytest-xdist workers on
+# two cores, since the SLURM jobs and the fault tests spend much of their time waiting (a watchdog's timeout, SLURM's
+# KillWait and requeue hold): 18 minutes of pytest against 24 with two workers on this 2-core machine. -n 0 for one.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 py=$("$root/scripts/setup.sh" | tail -n 1)
@@ -14,4 +15,4 @@ cd "$root"
 # and uninterrupted reference job, then run once (pytest-xdist 3.8's loadgroup marks have no effect under pytest 9).
 # Files go out in collection order, which tests/conftest.py starts with the longest (--no-loadscope-reorder);
 # the 30 slowest tests are listed at the end.
-exec "$py" -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=30 "$@"
+exec "$py" -m pytest -n 3 --dist loadfile --no-loadscope-reorder --durations=30 "$@"

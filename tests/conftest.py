@@ -25,7 +25,7 @@ FAST = ["per_device_batch_size=2", "max_target_length=128", "log_period=5"]
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Files that declare a longer time limit (`pytest.mark.timeout`) first. scripts/test.sh hands whole files to
-    its two workers in collection order, and the file of whole SLURM jobs, started last, ran alone at the end."""
+    its workers in collection order, and the file of whole SLURM jobs, started last, ran alone at the end."""
 
     def limit(item: pytest.Item) -> float:
         mark = item.get_closest_marker("timeout")
