@@ -6,7 +6,8 @@
 Each JSON in docs/results/ is one of a few kinds, told apart by its keys:
 - `maxtext-moe bench --json` (`model_tflops_per_gpu`): TFLOPS/GPU, median s/step, MFU, peak GiB;
 - `maxtext-moe plan --compile --json` (`compiled`): XLA's per-device total beside the plan;
-- `benchmarks/bench_attention.py` (`forward_tflops`), `bench_moe_layer.py` and `bench_ep_dispatch.py` (`runs`),
+- `benchmarks/bench_attention.py` (`forward_tflops`), `bench_moe_layer.py`, `bench_ep_dispatch.py` and
+  `bench_receive.py` (`runs`),
   `benchmarks/loss_curves.py` (`relative_gap`), and a profile summary (`categories`).
 The other files (logs, text records, HLO dumps) are listed by name. A bench JSON does not record the command
 line, so the settings column gives the values that tell rungs apart, read from what the run resolved.
@@ -116,6 +117,14 @@ def _runs(d: dict) -> tuple[str, str, str, str]:
         settings = f"{c.get('impl')}, {c.get('tokens_per_device')} tokens/GPU, {c.get('experts')} experts"
         parts = [
             f"{'dedup' if r.get('dedup') else 'no dedup'} {r['median_ms']:.1f} ms"
+            for r in d["runs"]
+            if r.get("median_ms") is not None
+        ]
+    elif "ranks" in c:
+        tool = "benchmarks/bench_receive.py"
+        settings = f"one EP{c['ranks']} rank, {c['experts']} experts, top-{c['top_k']}, {c['backend']}, FP8 {c['fp8']}"
+        parts = [
+            f"{r['variant']} at {r['tokens']} tokens {r['median_ms']:.2f} ms"
             for r in d["runs"]
             if r.get("median_ms") is not None
         ]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -153,6 +153,29 @@ def expert_mlp(
         return checkpoint_name(checkpoint_name(gmm(act, experts["wo"]), "mlpwo"), "moe_mlpwo")
 
 
+class SortedCopies(NamedTuple):
+    """Where each copy sits once sorted by expert, and each expert group padded where the GEMM needs it."""
+
+    index: jax.Array  # [P]: the copy each sorted row holds; N (past the copies) for a padding row
+    back: jax.Array  # [N]: each copy's sorted row; P for a copy left out
+    group_sizes: jax.Array  # [E]: rows of each group, padding included
+    partial: bool  # the groups may end before the last sorted row
+    aligned: bool  # the groups are padded to the GEMM's row multiple
+
+
+def sorted_copies(
+    order: jax.Array, inverse: jax.Array, group_sizes: jax.Array, path: ExpertPath, *, partial: bool
+) -> SortedCopies:
+    """The sort `order` [R] / `inverse` [N] of N copies, with an FP8 path's group padding composed into the same
+    maps (`align.compose`): one copy of the rows each way, where padding after sorting would copy them twice."""
+    align = group_align(path.fp8)
+    if align > 1:
+        a = align_groups(group_sizes, order.shape[0], align)
+        index, back = compose(order, inverse, a)
+        return SortedCopies(index, back, a.group_sizes, partial=False, aligned=True)
+    return SortedCopies(order, inverse, group_sizes, partial=partial, aligned=False)
+
+
 def expert_mlp_on_copies(
     copies: jax.Array,
     order: jax.Array,
@@ -165,21 +188,15 @@ def expert_mlp_on_copies(
 ) -> jax.Array:
     """The experts on `copies` [N, D] in token order: sorted by expert (`order` [R] of the N, R < N when some
     are left out; `inverse` [N], R for those), `expert_mlp`, back to token order [N, D] (zero where left out).
-
-    An FP8 path pads each group to the GEMM's row multiple inside the same gather that sorts (`align.compose`):
-    one copy of the rows each way, where padding after sorting would copy them twice.
     `partial`: the groups may end before the R-th sorted row.
     """
-    fill = order.shape[0] < copies.shape[0]
-    align = group_align(path.fp8)
-    if align > 1:
-        a = align_groups(group_sizes, order.shape[0], align)
-        (order, inverse), group_sizes, fill, partial = compose(order, inverse, a), a.group_sizes, True, False
+    s = sorted_copies(order, inverse, group_sizes, path, partial=partial)
+    fill = s.aligned or order.shape[0] < copies.shape[0]
     with jax.named_scope(scopes.PERMUTE):
-        x_sorted = take_rows(copies, order, inverse, fill)
-    out = expert_mlp(x_sorted, experts, group_sizes, path, partial=partial, groups_aligned=align > 1)
+        x_sorted = take_rows(copies, s.index, s.back, fill)
+    out = expert_mlp(x_sorted, experts, s.group_sizes, path, partial=s.partial, groups_aligned=s.aligned)
     with jax.named_scope(scopes.UNPERMUTE):
-        return take_rows(out, inverse, order, fill)
+        return take_rows(out, s.back, s.index, fill)
 
 
 def routed_experts(

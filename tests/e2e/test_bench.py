@@ -156,3 +156,22 @@ def test_attention_reference_is_causal():
     base = reference(q, k, v, 0.5)
     moved = reference(q, k.at[:, -1].add(3.0), v.at[:, -1].add(3.0), 0.5)
     assert jnp.allclose(base[:, :-1], moved[:, :-1]) and not jnp.allclose(base[:, -1], moved[:, -1])
+
+
+def test_receive_benchmark_times_two_formulations_that_agree(tmp_path):
+    """benchmarks/bench_receive.py on the CPU at a small EP4 rank: the receive side as the block runs it and
+    through a row for every slot give the same loss and gradients (to bfloat16 rounding), and both are timed."""
+    out = tmp_path / "receive.json"
+    shape = ["--tokens", "64", "--ranks", "4", "--experts", "4", "--emb", "32", "--mlp", "16", "--top-k", "4"]
+    r = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks/bench_receive.py"), *shape, "--backend", "ragged_dot", "--iters", "2"]
+        + ["--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert [run["variant"] for run in runs] == ["sorted", "every_slot"]
+    assert all(run["median_ms"] > 0 and run["rows"] == 256 and run["slots"] == 4 for run in runs)
+    assert runs[-1]["rel_err_loss"] < 1e-2 and runs[-1]["rel_err_grads_max"] < 2e-2

@@ -286,3 +286,19 @@ def test_gpu_tests_run_the_gpu_marked_tests_and_pack_their_log(tmp_path: Path) -
     ]
     assert "gpu tests: exit 0" in proc.stdout
     assert {"gpu_tests.log", "gpu.txt"} <= packed(archive)
+
+
+def test_receive_script_runs_the_gpu_tests_then_the_benchmark_in_bf16_and_fp8(tmp_path: Path) -> None:
+    proc, calls, _ = run_script(tmp_path, "receive_h200.sh")
+    assert proc.returncode == 0, proc.stderr
+    assert all("--tokens 16384 24576 --backend" in c for c in calls if "bench_receive.py" in c)
+    (tmp_path / "given").mkdir()
+    proc, calls, archive = run_script(tmp_path / "given", "receive_h200.sh", "16384")
+    assert proc.returncode == 0, proc.stderr
+    tests = next(i for i, c in enumerate(calls) if "pytest tests/gpu/test_moe_gpu.py" in c)
+    bench = [c for c in calls[tests:] if "bench_receive.py" in c]
+    assert [("--fp8 none" in c, "--fp8 current_scaling" in c, "--tokens 16384 --backend te" in c) for c in bench] == [
+        (True, False, True),
+        (False, True, True),
+    ]
+    assert {"gpu_tests.log", "receive_none.log", "receive_current_scaling.log"} <= packed(archive)

@@ -189,3 +189,42 @@ def test_te_layers_scanned_train_as_unrolled_ones(fp8: str) -> None:
     for a, b in zip(jax.tree.leaves(g_s), jax.tree.leaves(g_u), strict=True):
         if np.any(np.asarray(b, np.float32)):  # the gate bias takes no gradient
             assert rel(a, b) < 0.1
+
+
+def test_receive_side_as_the_block_runs_it_equals_the_formulation_through_every_slot() -> None:
+    """One EP8 rank's receive side (rows with 8 expert slots, about one of them this rank's) through TE: the
+    block's gathers (`receive.expand_reduce`) and the direct formulation through a row for every slot
+    (benchmarks/bench_receive.py's `every_slot`) give the same loss and gradients in every input."""
+    import sys
+
+    from conftest import REPO
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from bench_receive import every_slot, receive_inputs
+
+    from maxtext_moe.moe import receive
+
+    emb, mlp, local = 1024, 256, 8
+    row_experts, row_weights, cap = receive_inputs(jax.random.key(0), 2048, 8, 8, local)
+    ks = jax.random.split(jax.random.key(1), 4)
+    x = jax.random.normal(ks[0], (row_experts.shape[0], emb), jnp.bfloat16)
+    experts = {
+        "wi_0": (jax.random.normal(ks[1], (local, emb, mlp)) / emb**0.5).astype(jnp.bfloat16),
+        "wi_1": (jax.random.normal(ks[2], (local, emb, mlp)) / emb**0.5).astype(jnp.bfloat16),
+        "wo": (jax.random.normal(ks[3], (local, mlp, emb)) / mlp**0.5).astype(jnp.bfloat16),
+    }
+    path = ExpertPath(backend="te")
+    forms = (
+        lambda x, e, w: receive.expand_reduce(x, row_experts, w, e, path, cap)[0],
+        lambda x, e, w: every_slot(x, row_experts, w, e, path, cap),
+    )
+    loss_and_grads = [
+        jax.jit(jax.value_and_grad(lambda x, e, w, fn=fn: jnp.sum(fn(x, e, w).astype(jnp.float32)), (0, 1, 2)))(
+            x, experts, row_weights
+        )
+        for fn in forms
+    ]
+    (la, ga), (lb, gb) = loss_and_grads
+    assert abs(float(la - lb)) <= 1e-2 * abs(float(lb))
+    for a, b in zip(jax.tree.leaves(ga), jax.tree.leaves(gb), strict=True):
+        assert np.isfinite(np.asarray(a, np.float32)).all() and rel(a, b) < 2e-2

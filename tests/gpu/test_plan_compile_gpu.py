@@ -65,11 +65,12 @@ def test_deviceless_compile_of_the_ep2_proxy_is_close_to_the_gpu_compile(tmp_pat
     )
 
 
-# The records these compiles are compared with are of one step of the per-device batch; the recipes accumulate
-# to the paper's batch (training section), whose compiled step is its own test below.
+# The records these compiles are compared with are of one step of the per-device batch, unrolled; the recipes
+# accumulate to the paper's batch (training section), whose compiled step is its own test below.
+FIVE_UNROLLED_LAYERS = ("base_num_decoder_layers=5", "scan_layers=false")
 FIVE_LAYERS_ONE_STEP = (
     "deepseek3-671b-h200-128",
-    *one_accumulation_step("deepseek3-671b-h200-128", "base_num_decoder_layers=5"),
+    *one_accumulation_step("deepseek3-671b-h200-128", *FIVE_UNROLLED_LAYERS),
 )
 
 
@@ -80,7 +81,7 @@ def test_five_layers_of_the_h200_128_recipe_accumulating_to_the_papers_batch_com
     GPU against 46.7 for one step. Without maxtext_moe/upstream/remat_cse.py MaxText drops the remat barrier of
     unrolled layers under accumulation on GPUs, XLA merges each layer's recomputation with its forward and the
     step needs 82.4 GiB."""
-    result = compile_without_gpu("deepseek3-671b-h200-128", "base_num_decoder_layers=5")
+    result = compile_without_gpu("deepseek3-671b-h200-128", *FIVE_UNROLLED_LAYERS)
     assert result["compiled"]["device_total_bytes"] < 52 * GIB
     assert result["compiled_over_planned"] < 1.15
 
@@ -105,11 +106,11 @@ def test_five_layers_of_the_h200_128_recipe_compile_within_15_percent_of_the_pla
 @pytest.mark.gpu
 @NEEDS_PLUGIN
 def test_five_layers_of_the_gb200_recipe_compile_deviceless_for_blackwell() -> None:
-    """The GB200 recipe (MXFP8 experts through TE, full remat) compiles for 128 described GB200s, with JAX's
-    cuDNN attention standing in for TE's (which asks the GPU driver). 5 layers, 2026-12-01: 50.9 GiB per GPU
+    """The GB200 recipe (MXFP8 experts through TE) at full remat, unrolled, compiles for 128 described GB200s, with
+    JAX's cuDNN attention standing in for TE's (which asks the GPU driver). 5 layers, 2026-12-01: 50.9 GiB per GPU
     (54.7 with the MoE up-projection offloaded, which XLA keeps in HBM until each layer's backward)."""
     recipe = "deepseek3-671b-gb200-128"
-    result = compile_without_gpu(recipe, *one_accumulation_step(recipe, "base_num_decoder_layers=5"))
+    result = compile_without_gpu(recipe, *one_accumulation_step(recipe, *FIVE_UNROLLED_LAYERS, "memory=full-remat"))
     compiled = result["compiled"]
     assert "GB200" in compiled["device_kind"] and compiled["devices"] == 128
     assert "attention=cudnn_flash_jax" in result["compiled_with_overrides"]
@@ -118,3 +119,19 @@ def test_five_layers_of_the_gb200_recipe_compile_deviceless_for_blackwell() -> N
     limit = result["scheduler_limit"]
     assert limit["device_memory_bytes"] == round(184.31 * GIB) and limit["slop_percent"] == 95
     assert limit["temp_over_budget"] < 0.5 and limit["verdict"].startswith("within it")
+
+
+@pytest.mark.gpu
+@NEEDS_PLUGIN
+def test_the_ep_receive_side_of_the_h100_recipe_holds_no_buffer_of_every_slot(tmp_path: Path) -> None:
+    """Five scanned layers of the H100-256 recipe, one step, compiled deviceless: no buffer XLA assigns has a row
+    for every (received row, expert slot) pair, 131,072 x 8 rows of 7168 at batch 4. The receive side once made
+    one (bf16[1048576,7168], 14 GiB) and carried it through the layer loop; its rows are mostly empty slots at
+    EP8 (`receive.expand_reduce`)."""
+    recipe = "deepseek3-671b-h100-256"
+    dump = [f"xla_flags.xla_dump_to={tmp_path}", "xla_flags.xla_dump_hlo_module_re=jit_train_step"]
+    compile_without_gpu(recipe, *one_accumulation_step(recipe, "base_num_decoder_layers=5", *dump))
+    (assignment,) = tmp_path.glob("*jit_train_step*after_optimizations-buffer-assignment.txt")
+    text = assignment.read_text()
+    assert "bf16[131072,7168]" in text  # the receive buffer itself, one row per received row
+    assert "[1048576,7168]" not in text and "[131072,8,7168]" not in text
