@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from maxtext_moe.errors import UserError
-from maxtext_moe.plan import communication, flops, layout, memory
+from maxtext_moe.plan import communication, compile_time, flops, layout, memory
 from maxtext_moe.plan.layout import Layout
 from maxtext_moe.plan.model import Model
 from maxtext_moe.recipe.resolved import ResolvedRecipe
@@ -114,6 +114,7 @@ class Plan:
             "step_time_s": self.step_s,
             "tokens_per_s_per_gpu": lay.tokens / self.step_s,
             "predicted_tflops_per_gpu": self.tflops_per_gpu,
+            "compile_s_deviceless_2_cores": compile_time.seconds(self.model, lay),
         }
 
     def render(self) -> str:
@@ -163,6 +164,7 @@ class Plan:
             f"{lay.tokens / self.step_s:,.0f} tokens/s/GPU, {self.tflops_per_gpu:,.0f} TFLOPS/GPU "
             f"predicted ({peak} peaks of {lay.hardware.name})"
         )
+        lines.append(compile_time.render(m, lay))
         return "\n".join(lines)
 
 
