@@ -264,6 +264,18 @@ def test_launch_accepts_the_measured_proxy_and_refuses_a_batch_that_does_not_fit
     assert run_cli("launch", *big, "--skip-fit-check", timeout=120).returncode == 0
 
 
+def test_the_h100_recipe_is_refused_by_the_plan_it_compiles_under_and_names_the_compile_to_check():
+    """As shipped, `deepseek3-671b-h100-256` compiles to 65.9 of 69.6 GiB (docs/results), where the plan says 72.1:
+    `launch` refuses it, naming `plan --compile` and --skip-fit-check, and prints the job with the flag."""
+    args = ("deepseek3-671b-h100-256", "--slurm", "--nodes", "32")
+    refused = run_cli("launch", *args, timeout=120)
+    assert refused.returncode == 2
+    assert (
+        "maxtext-moe plan deepseek3-671b-h100-256 --compile" in refused.stderr and "--skip-fit-check" in refused.stderr
+    )
+    assert run_cli("launch", *args, "--skip-fit-check", timeout=120).returncode == 0
+
+
 def test_layout_mismatch_and_incomplete_env_are_user_errors():
     topo = resolve(RECIPE, ["topology.nodes=16"]).topology
     with pytest.raises(UserError, match="topology.nodes"):
