@@ -112,6 +112,10 @@ def _runs(d: dict) -> tuple[str, str, str, str]:
     if "run2" in d:  # two runs of the MoE layer benchmark in one file: the later one
         d = d["run2"]
     c = d.get("config", {})
+
+    def figures(key: str, text: str) -> list[str]:
+        return [text.format(**r) for r in d["runs"] if r.get(key) is not None]
+
     if "impl" in c:
         tool = "benchmarks/bench_ep_dispatch.py"
         settings = f"{c.get('impl')}, {c.get('tokens_per_device')} tokens/GPU, {c.get('experts')} experts"
@@ -123,19 +127,11 @@ def _runs(d: dict) -> tuple[str, str, str, str]:
     elif "ranks" in c:
         tool = "benchmarks/bench_receive.py"
         settings = f"one EP{c['ranks']} rank, {c['experts']} experts, top-{c['top_k']}, {c['backend']}, FP8 {c['fp8']}"
-        parts = [
-            f"{r['variant']} at {r['tokens']} tokens {r['median_ms']:.2f} ms"
-            for r in d["runs"]
-            if r.get("median_ms") is not None
-        ]
+        parts = figures("median_ms", "{variant} at {tokens} tokens {median_ms:.2f} ms")
     else:
         tool = "benchmarks/bench_moe_layer.py"
         settings = f"{c.get('experts')} experts, top-{c.get('top_k')}"
-        parts = [
-            f"{r['variant']} at {r['tokens']} tokens {r['tflops']:.0f} TFLOP/s"
-            for r in d["runs"]
-            if r.get("tflops") is not None
-        ]
+        parts = figures("tflops", "{variant} at {tokens} tokens {tflops:.0f} TFLOP/s")
     devices = d.get("devices") or [d.get("device", "")]
     machine = f"{len(devices)} x {devices[0]}" if isinstance(devices, list) else str(devices)
     return tool, settings, machine, "; ".join(parts)
