@@ -3,8 +3,9 @@
 The gap: XLA:GPU runs an all-to-all asynchronously (a start and a done) and its latency-hiding scheduler
 decides what runs between the two; neither `memory_analysis()` nor a one-GPU profile shows it, and a
 two-GPU machine to profile EP on is not always at hand. An expert-parallel exchange with a GEMM scheduled
-inside it can hide behind that GEMM; one with nothing but small fusions inside is exposed. The entry
-computation of the optimized module XLA dumps (`xla_dump_to`, as text) lists instructions in schedule order.
+inside it can hide behind that GEMM; one with nothing but small fusions inside is exposed. The optimized module
+XLA dumps (`xla_dump_to`, as text) lists each scheduled computation's instructions in schedule order: the entry
+computation, and the bodies of its while loops, where scanned layers (and gradient accumulation) put theirs.
 
     maxtext-moe plan RECIPE --compile xla_flags.xla_dump_to=DIR xla_flags.xla_dump_hlo_as_text=true \\
         xla_flags.xla_dump_hlo_module_re=jit_train_step
@@ -22,6 +23,7 @@ from maxtext_moe.errors import UserError
 _COMPUTATION = re.compile(r"\n(?=%|ENTRY )")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?(%[\w.\-]+) = ")
 _CALLS = re.compile(r"calls=(%[\w.\-]+)")
+_BODY = re.compile(r"body=(%[\w.\-]+)")
 _ALL_TO_ALL = re.compile(r" all-to-all\(")
 _GROUPED_GEMM = 'custom_call_target="te_grouped_gemm_ffi"'
 # cuBLAS GEMMs as custom calls, or as XLA's GEMM fusions (`gemm_fusion_dot...`, kind kCustom).
@@ -35,6 +37,7 @@ class Window:
     instructions: int
     dense_gemms: int
     grouped_gemms: int
+    in_loop: bool = False  # in a while loop's body: once an iteration (a scanned layer's exchange)
 
     @property
     def has_gemm(self) -> bool:
@@ -49,8 +52,10 @@ class ExchangeOverlap:
     def render(self) -> str:
         total = len(self.windows) + self.synchronous
         with_gemm = [w for w in self.windows if w.has_gemm]
+        looped = sum(1 for w in self.windows if w.in_loop)
+        where = f"'s code ({looped} in loop bodies, run once an iteration)" if looped else ""
         return (
-            f"all-to-all: {total} in the step, {len(self.windows)} asynchronous; {len(with_gemm)} with a GEMM "
+            f"all-to-all: {total} in the step{where}, {len(self.windows)} asynchronous; {len(with_gemm)} with a GEMM "
             f"scheduled inside ({sum(1 for w in with_gemm if w.dense_gemms)} a dense GEMM, "
             f"{sum(1 for w in with_gemm if w.grouped_gemms)} a TE grouped GEMM), "
             f"{total - len(with_gemm)} with none (exposed unless other work hides them)"
@@ -61,15 +66,29 @@ class ExchangeOverlap:
 
 
 def read(hlo: str) -> ExchangeOverlap | None:
-    """The all-to-alls of an optimized module's entry computation; None when it has none."""
+    """The all-to-alls of an optimized module's entry computation and of its while loops' bodies; None when it
+    has none."""
     computations = _COMPUTATION.split(hlo)
     exchanges = {c.split(" ", 1)[0] for c in computations if _ALL_TO_ALL.search(c)}
     entry = next((c for c in computations if c.startswith("ENTRY ")), None)
     if entry is None:
         raise UserError("the HLO text has no ENTRY computation.", fix="dump the optimized module as text.")
+    bodies = set(_BODY.findall(hlo))
+    windows: list[Window] = []
+    synchronous = 0
+    for computation in [entry, *(c for c in computations if c.split(" ", 1)[0] in bodies)]:
+        found, sync = _scheduled(computation.split("\n"), exchanges, in_loop=computation is not entry)
+        windows += found
+        synchronous += sync
+    if not windows and not synchronous:
+        return None
+    return ExchangeOverlap(windows, synchronous)
+
+
+def _scheduled(lines: list[str], exchanges: set[str], in_loop: bool) -> tuple[list[Window], int]:
+    """The asynchronous all-to-alls of one computation's schedule, and how many ran in place."""
     started: dict[str, int] = {}
     windows, synchronous = [], 0
-    lines = entry.split("\n")
     for i, line in enumerate(lines):
         name = _INSTRUCTION.match(line)
         if name is None:
@@ -86,13 +105,12 @@ def read(hlo: str) -> ExchangeOverlap | None:
                         instructions=sum(1 for x in inside if _INSTRUCTION.match(x)),
                         dense_gemms=sum(1 for x in inside if _DENSE_GEMM.search(x)),
                         grouped_gemms=sum(1 for x in inside if _GROUPED_GEMM in x),
+                        in_loop=in_loop,
                     )
                 )
         elif _ALL_TO_ALL.search(line):
             synchronous += 1
-    if not windows and not synchronous:
-        return None
-    return ExchangeOverlap(windows, synchronous)
+    return windows, synchronous
 
 
 def optimized_hlo(dump_dir: Path, module: str = "jit_train_step") -> Path | None:

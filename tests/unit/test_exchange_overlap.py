@@ -70,9 +70,58 @@ def test_each_asynchronous_all_to_all_counts_the_gemms_scheduled_inside_it() -> 
     # GEMM's output is not one); the combine has only an elementwise fusion inside: exposed.
     assert found.windows == [exchange_overlap.Window(3, 1, 1), exchange_overlap.Window(1, 0, 0)]
     assert "2 in the step, 2 asynchronous; 1 with a GEMM" in found.render() and "1 with none" in found.render()
-    assert found.to_json()["windows"][1] == {"instructions": 1, "dense_gemms": 0, "grouped_gemms": 0}
+    assert found.to_json()["windows"][1] == {"instructions": 1, "dense_gemms": 0, "grouped_gemms": 0, "in_loop": False}
 
 
 def test_a_step_without_all_to_alls_has_no_exchange_to_report() -> None:
     one_device = "HloModule m\n\nENTRY %m (x: f32[]) -> f32[] {\n  ROOT %x = f32[] parameter(0)\n}\n"
     assert exchange_overlap.read(one_device) is None
+
+
+SCANNED = """HloModule jit_train_step, is_scheduled=true
+
+%async_computation.1 (p: bf16[64,7168]) -> bf16[64,7168] {
+  %p = bf16[64,7168]{1,0} parameter(0)
+  ROOT %all-to-all.1 = bf16[64,7168]{1,0} all-to-all(%p), channel_id=1, replica_groups={{0,1}}, dimensions={0}
+}
+
+%async_computation.2 (q: bf16[64,7168]) -> bf16[64,7168] {
+  %q = bf16[64,7168]{1,0} parameter(0)
+  ROOT %all-to-all.2 = bf16[64,7168]{1,0} all-to-all(%q), channel_id=2, replica_groups={{0,1}}, dimensions={0}
+}
+
+%body.3 (carry: (s32[], bf16[64,7168])) -> (s32[], bf16[64,7168]) {
+  %carry = (s32[], bf16[64,7168]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%carry), index=0
+  %h = bf16[64,7168]{1,0} get-tuple-element(%carry), index=1
+  %all-to-all-start.1 = ((bf16[64,7168]{1,0}), bf16[64,7168]{1,0}) async-start(%h), calls=%async_computation.1
+  %te_grouped_gemm_ffi.3 = (bf16[64,7168]{1,0}) custom-call(%h), custom_call_target="te_grouped_gemm_ffi"
+  %all-to-all-done.1 = bf16[64,7168]{1,0} async-done(%all-to-all-start.1)
+  ROOT %tuple.4 = (s32[], bf16[64,7168]{1,0}) tuple(%i, %all-to-all-done.1)
+}
+
+%condition.5 (c: (s32[], bf16[64,7168])) -> pred[] {
+  %c = (s32[], bf16[64,7168]{1,0}) parameter(0)
+  ROOT %constant.6 = pred[] constant(true)
+}
+
+ENTRY %main.1 (x: bf16[64,7168]) -> bf16[64,7168] {
+  %x = bf16[64,7168]{1,0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[64,7168]{1,0}) tuple(%zero, %x)
+  %while.7 = (s32[], bf16[64,7168]{1,0}) while(%init), condition=%condition.5, body=%body.3
+  %out = bf16[64,7168]{1,0} get-tuple-element(%while.7), index=1
+  %all-to-all-start.2 = ((bf16[64,7168]), bf16[64,7168]) async-start(%out), calls=%async_computation.2
+  %loop_convert_fusion.5 = bf16[64,7168]{1,0} fusion(%x), kind=kLoop, calls=%fused_convert.5
+  ROOT %all-to-all-done.2 = bf16[64,7168]{1,0} async-done(%all-to-all-start.2)
+}
+"""
+
+
+def test_the_all_to_alls_of_a_scanned_layer_loop_count_once_per_loop_body() -> None:
+    """Scanned layers put each layer's exchanges in a while loop's body, which runs once per layer: they are
+    read there too, marked as in a loop, beside the step's own."""
+    found = exchange_overlap.read(SCANNED)
+    assert found is not None and found.synchronous == 0
+    assert found.windows == [exchange_overlap.Window(1, 0, 0), exchange_overlap.Window(1, 0, 1, in_loop=True)]
+    assert "2 in the step's code (1 in loop bodies, run once an iteration)" in found.render()
