@@ -49,8 +49,8 @@ def expand_reduce(
 
     Each sorted copy reads its received row, and each row sums its slots' outputs; both directions, and their
     gradients, are gathers by the slot -> copy map (`_spread`, `_combine`), so no buffer has a row for every
-    one of the M * S slots (most of them empty at EP8: through such a buffer, the gradient of the 671B H100
-    recipe's held 14 GiB) and nothing is summed by a scatter.
+    one of the M * S slots and nothing is summed by a scatter. At EP8 most slots are empty, and such a buffer
+    took 14 GiB of the 671B H100 recipe's step.
     """
     rows, slots = row_experts.shape
     num_local = experts["wi_0"].shape[0]

@@ -1,8 +1,8 @@
 """How long XLA takes to compile a recipe's training step: what the first step, and every restart that its
 compile cache does not serve, waits before it trains.
 
-Why: neither MaxText nor XLA says how long a compile will take, and for DeepSeek-V3 it ranges from two
-minutes (scanned layers) to about an hour (unrolled), which decides how a team sets its SLURM time limits and
+Why: neither MaxText nor XLA says how long a compile will take, and for DeepSeek-V3 it ranges from under a
+minute (scanned layers) to about an hour (unrolled), which decides how a team sets its SLURM time limits and
 its restart budget. The figures are fitted to `maxtext-moe plan RECIPE --compile`, deviceless on a 2-core
 x86 machine (docs/results/plan_compile_deviceless_671b_*.json, docs/PLAN.md "Compile time"):
 - unrolled, XLA compiles each layer's own instructions, and its scheduling and buffer passes grow faster than
