@@ -4,7 +4,8 @@
 # for batch 4 x 4096, 24576 for batch 6), BF16 and FP8 (current scaling) through TE. A failure is logged and the
 # rest goes on. Logs and JSON: $OUT/results.tgz; the last lines are one table per run.
 # Usage there: bash scripts/device/receive_h200.sh [TOKENS ...]   (RECEIVE_GPU_TESTS=0 skips the tests;
-# RECEIVE_FP8 names the FP8 modes, default "none current_scaling"; RECEIVE_TIMEOUT limits each benchmark run)
+# RECEIVE_FP8 names the FP8 modes, default "none current_scaling"; RECEIVE_TIMEOUT limits each benchmark run,
+# default 200 s: each variant compiles for about 70 s at 4096 tokens, so give two token counts 400)
 set -uo pipefail
 source scripts/device/common.sh
 [ "${RECEIVE_GPU_TESTS:-1}" = 0 ] ||
