@@ -70,6 +70,22 @@ def receive_inputs(key: jax.Array, tokens: int, ranks: int, top_k: int, local: i
     return row_experts, weights, int(BUFFER_FACTOR * tokens * top_k)
 
 
+def receive_case(
+    key: jax.Array, tokens: int, ranks: int, top_k: int, local: int, emb: int, mlp: int
+) -> tuple[jax.Array, dict[str, jax.Array], jax.Array, jax.Array, int]:
+    """One rank's receive side in BF16: (received rows [M, emb], its `local` experts' weights, then what
+    `receive_inputs` gives: row_experts, row_weights, the copies cap)."""
+    row_experts, row_weights, cap = receive_inputs(key, tokens, ranks, top_k, local)
+    ks = jax.random.split(jax.random.fold_in(key, 2), 5)
+    x = jax.random.normal(ks[0], (row_experts.shape[0], emb), jnp.bfloat16)
+    shapes = ((emb, mlp), (emb, mlp), (mlp, emb))
+    experts = {
+        n: (jax.random.normal(k, (local, *shape), jnp.float32) / shape[0] ** 0.5).astype(jnp.bfloat16)
+        for n, k, shape in zip(("wi_0", "wi_1", "wo"), ks[2:], shapes, strict=True)
+    }
+    return x, experts, row_experts, row_weights, cap
+
+
 def say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
@@ -77,16 +93,9 @@ def say(text: str) -> None:
 def measure(tokens: int, a: argparse.Namespace, path: ExpertPath) -> list[dict[str, Any]]:
     """Both formulations at `tokens` tokens per sending rank: one run each, the second with its errors."""
     key = jax.random.key(tokens)
-    row_experts, row_weights, cap = receive_inputs(key, tokens, a.ranks, a.top_k, a.experts)
+    x, experts, row_experts, row_weights, cap = receive_case(key, tokens, a.ranks, a.top_k, a.experts, a.emb, a.mlp)
     rows, slots = row_experts.shape
-    ks = jax.random.split(jax.random.fold_in(key, 2), 5)
-    x = jax.random.normal(ks[0], (rows, a.emb), jnp.bfloat16)
-    cot = jax.random.normal(ks[1], (rows, a.emb), jnp.float32)
-    shapes = ((a.emb, a.mlp), (a.emb, a.mlp), (a.mlp, a.emb))
-    experts = {
-        n: (jax.random.normal(k, (a.experts, *shape), jnp.float32) / shape[0] ** 0.5).astype(jnp.bfloat16)
-        for n, k, shape in zip(("wi_0", "wi_1", "wo"), ks[2:], shapes, strict=True)
-    }
+    cot = jax.random.normal(jax.random.split(jax.random.fold_in(key, 2), 5)[1], (rows, a.emb), jnp.float32)
     variants = {
         "sorted": lambda x, e, w: receive.expand_reduce(x, row_experts, w, e, path, cap)[0],
         "every_slot": lambda x, e, w: every_slot(x, row_experts, w, e, path, cap),

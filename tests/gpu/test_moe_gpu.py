@@ -200,19 +200,11 @@ def test_receive_side_as_the_block_runs_it_equals_the_formulation_through_every_
     from conftest import REPO
 
     sys.path.insert(0, str(REPO / "benchmarks"))
-    from bench_receive import every_slot, receive_inputs
+    from bench_receive import every_slot, receive_case
 
     from maxtext_moe.moe import receive
 
-    emb, mlp, local = 1024, 256, 8
-    row_experts, row_weights, cap = receive_inputs(jax.random.key(0), 2048, 8, 8, local)
-    ks = jax.random.split(jax.random.key(1), 4)
-    x = jax.random.normal(ks[0], (row_experts.shape[0], emb), jnp.bfloat16)
-    experts = {
-        "wi_0": (jax.random.normal(ks[1], (local, emb, mlp)) / emb**0.5).astype(jnp.bfloat16),
-        "wi_1": (jax.random.normal(ks[2], (local, emb, mlp)) / emb**0.5).astype(jnp.bfloat16),
-        "wo": (jax.random.normal(ks[3], (local, mlp, emb)) / mlp**0.5).astype(jnp.bfloat16),
-    }
+    x, experts, row_experts, row_weights, cap = receive_case(jax.random.key(0), 2048, 8, 8, 8, 1024, 256)
     path = ExpertPath(backend="te")
     forms = (
         lambda x, e, w: receive.expand_reduce(x, row_experts, w, e, path, cap)[0],

@@ -28,7 +28,8 @@ options = {"xla_dump_to": sys.argv[1], "xla_dump_hlo_as_text": True, "xla_dump_h
 f.lower(jnp.ones((8, 16), jnp.float32)).compile(options)
 """
 
-SCHEDULED = """HloModule jit_train_step, is_scheduled=true
+# The two all-to-alls XLA:GPU wraps in async computations, as the scheduled text below calls them.
+ASYNC_ALL_TO_ALLS = """HloModule jit_train_step, is_scheduled=true
 
 %async_computation.1 (p: bf16[64,7168]) -> bf16[64,7168] {
   %p = bf16[64,7168]{1,0} parameter(0)
@@ -39,7 +40,11 @@ SCHEDULED = """HloModule jit_train_step, is_scheduled=true
   %q = bf16[64,7168]{1,0} parameter(0)
   ROOT %all-to-all.2 = bf16[64,7168]{1,0} all-to-all(%q), channel_id=2, replica_groups={{0,1}}, dimensions={0}
 }
+"""
 
+SCHEDULED = (
+    ASYNC_ALL_TO_ALLS
+    + """
 ENTRY %main.1 (x: bf16[64,7168], w: bf16[7168,2048]) -> bf16[64,7168] {
   %x = bf16[64,7168]{1,0} parameter(0)
   %w = bf16[7168,2048]{1,0} parameter(1)
@@ -53,6 +58,7 @@ ENTRY %main.1 (x: bf16[64,7168], w: bf16[7168,2048]) -> bf16[64,7168] {
   ROOT %all-to-all-done.2 = bf16[64,7168]{1,0} async-done(%all-to-all-start.2)
 }
 """
+)
 
 
 def test_a_cpu_compiled_exchange_is_two_synchronous_all_to_alls(tmp_path: Path) -> None:
@@ -78,18 +84,9 @@ def test_a_step_without_all_to_alls_has_no_exchange_to_report() -> None:
     assert exchange_overlap.read(one_device) is None
 
 
-SCANNED = """HloModule jit_train_step, is_scheduled=true
-
-%async_computation.1 (p: bf16[64,7168]) -> bf16[64,7168] {
-  %p = bf16[64,7168]{1,0} parameter(0)
-  ROOT %all-to-all.1 = bf16[64,7168]{1,0} all-to-all(%p), channel_id=1, replica_groups={{0,1}}, dimensions={0}
-}
-
-%async_computation.2 (q: bf16[64,7168]) -> bf16[64,7168] {
-  %q = bf16[64,7168]{1,0} parameter(0)
-  ROOT %all-to-all.2 = bf16[64,7168]{1,0} all-to-all(%q), channel_id=2, replica_groups={{0,1}}, dimensions={0}
-}
-
+SCANNED = (
+    ASYNC_ALL_TO_ALLS
+    + """
 %body.3 (carry: (s32[], bf16[64,7168])) -> (s32[], bf16[64,7168]) {
   %carry = (s32[], bf16[64,7168]{1,0}) parameter(0)
   %i = s32[] get-tuple-element(%carry), index=0
@@ -116,6 +113,7 @@ ENTRY %main.1 (x: bf16[64,7168]) -> bf16[64,7168] {
   ROOT %all-to-all-done.2 = bf16[64,7168]{1,0} async-done(%all-to-all-start.2)
 }
 """
+)
 
 
 def test_the_all_to_alls_of_a_scanned_layer_loop_count_once_per_loop_body() -> None:
