@@ -10,7 +10,8 @@ times attention written out for XLA (einsum, mask, softmax; any backend, the tes
 The candidates for a faster kernel: `tokamax_mosaic` and `tokamax_triton` (tokamax's Mosaic GPU kernels,
 sm90 forward and backward, and its Triton ones; both take the value head dim apart from the query's) and
 `te` (TE's cuDNN fused attention with separate Q, K and V, BSHD; the run records whether TE's own check
-accepts the shape, and which backend).
+accepts the shape, and which backend), and `fa3` (FlashAttention-3 built for MLA's widths by
+scripts/device/build_fa3_carry.sh, what `attention.kernel: fa3` runs).
 
 FLOPs by the planner's convention (`maxtext_moe.plan.flops`): forward 2 x B x S^2 / 2 x H x (d_qk + d_v), the
 backward twice that; the backward's time is forward+backward minus forward. Before timing, the output and dq
@@ -32,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from bench_moe_layer import rel, time_fn
 
-IMPLEMENTATIONS = ("cudnn", "tokamax_mosaic", "tokamax_triton", "te", "einsum")
+IMPLEMENTATIONS = ("cudnn", "fa3", "tokamax_mosaic", "tokamax_triton", "te", "einsum")
 
 
 def attention_fn(implementation: str, scale: float) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
@@ -40,6 +41,11 @@ def attention_fn(implementation: str, scale: float) -> Callable[[jax.Array, jax.
         from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
 
         return lambda q, k, v: dot_product_attention(q, k, v, mask_type=MaskType.CAUSAL, scale=scale, qkv_layout="BTNH")
+    if implementation == "fa3":
+        from maxtext_moe.upstream import fa3_attention
+
+        fa3_attention.load()
+        return lambda q, k, v: fa3_attention.flash_attention(q, k, v, scale)
     if implementation.startswith("tokamax_"):
         import tokamax
 

@@ -57,6 +57,8 @@ def _bench_settings(d: dict) -> str:
     out.append(f"scan_layers={str(s.get('scan_layers', '?')).lower()}")
     if (residuals := (d.get("attention") or {}).get("residuals")) is not None:
         out.append(f"attention.residuals={residuals}")
+    if (kernel := (d.get("attention") or {}).get("kernel")) not in (None, "cudnn"):
+        out.append(f"attention.kernel={kernel}")
     if s.get("n_routing_groups", -1) in (-1, None) or not s.get("mtp_num_layers"):
         out.append(f"groups {s.get('n_routing_groups', '-')}, mtp {s.get('mtp_num_layers', 0)}")
     if (factor := s.get("ragged_buffer_factor")) not in (None, -1, -1.0):
@@ -100,7 +102,8 @@ def _compile(d: dict) -> tuple[str, str, str, str]:
 
 def _attention(d: dict) -> tuple[str, str, str, str]:
     c = d["config"]
-    settings = f"batch {c['batch']}, seq {c['seq']}, d_qk {c['d_qk']}, d_v {c['d_v']}, cuDNN {d.get('cudnn_version')}"
+    shape = f"batch {c['batch']}, seq {c['seq']}, d_qk {c['d_qk']}, d_v {c['d_v']}"
+    settings = f"{c.get('implementation', 'cudnn')}, {shape}, cuDNN {d.get('cudnn_version')}"
     figure = (
         f"forward {d['forward']['median_ms']:.2f} ms ({d['forward_tflops']:.0f} TFLOP/s), "
         f"backward {d['backward_ms']:.2f} ms ({d['backward_tflops']:.0f} TFLOP/s)"

@@ -38,6 +38,7 @@ CPU_SWITCHES = (
     "moe.gemm=ragged_dot",
     "moe.fp8=none",
     "attention.residuals=recompute",
+    "attention.kernel=cudnn",
     "attention=dot_product",
     "te_moe_block=false",
     "prefuse_moe_weights=false",
@@ -120,6 +121,9 @@ def choose_route(r: ResolvedRecipe, gpus_here: int, deviceless_ok: bool = False)
         # TE's attention asks the GPU driver which fused kernel it has while the step is traced; JAX's cuDNN
         # flash attention (the Hopper recipes' kernel, also linear in the sequence) compiles without one.
         te_attention = r.effective("attention") == "cudnn_flash_te"
+        # FA3 (attention.kernel: fa3) keeps the same two tensors for its backward as cuDNN's kernel; its library
+        # may be absent where the plan runs, so cuDNN's stands in.
+        fa3 = r.attention["kernel"] == "fa3"
         return Route(
             "gpu-aot",
             f"XLA:GPU deviceless for {n} {hw.name.upper()} GPUs (topology {topo}, SM "
@@ -129,8 +133,13 @@ def choose_route(r: ResolvedRecipe, gpus_here: int, deviceless_ok: bool = False)
                 "; JAX's cuDNN flash attention in place of TE's attention, which asks a GPU driver for its kernel"
                 if te_attention
                 else ""
+            )
+            + ("; cuDNN's flash attention in place of FlashAttention-3 (the same residuals)" if fa3 else ""),
+            (
+                *data,
+                *(("attention=cudnn_flash_jax",) if te_attention else ()),
+                *(("attention.kernel=cudnn",) if fa3 else ()),
             ),
-            (*data, *(("attention=cudnn_flash_jax",) if te_attention else ())),
             {
                 "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={n}",  # MaxText's device count
                 "JAX_PLATFORMS": "cpu",

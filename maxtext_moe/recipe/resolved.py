@@ -77,7 +77,9 @@ class ResolvedRecipe:
     topology: Topology
     corpus: dict[str, Any] | None
     moe: dict[str, Any] = field(default_factory=lambda: {"impl": "maxtext"})  # MoeSettings.to_dict()
-    attention: dict[str, Any] = field(default_factory=lambda: {"residuals": "recompute"})  # validate._attention
+    attention: dict[str, Any] = field(
+        default_factory=lambda: {"residuals": "recompute", "kernel": "cudnn"}
+    )  # validate._attention
     guard: dict[str, Any] = field(default_factory=lambda: GuardSettings().to_dict())  # GuardSettings.to_dict()
     job: dict[str, Any] = field(default_factory=lambda: JobSettings().to_dict())  # JobSettings.to_dict()
     training: dict[str, Any] | None = None  # TrainingSettings.to_dict(), or None: MaxText's own schedule

@@ -33,6 +33,7 @@ FP8_QUANTIZATIONS = frozenset(
 MXFP8 = "te_mxfp8"
 
 RESIDUALS = ("recompute", "save")  # attention.residuals
+ATTENTION_KERNELS = ("cudnn", "fa3")  # attention.kernel
 # Attention kernels whose forward outputs `attention.residuals: save` keeps (remat.ATTENTION_FORWARD_PRIMITIVES)
 FLASH_ATTENTION = ("cudnn_flash_jax", "cudnn_flash_te")
 
@@ -205,14 +206,20 @@ class _Checker:
                 )
 
 
-def _attention(comp: Composition, check: _Checker) -> dict[str, str]:
-    """The `attention` section with defaults: `residuals: save` keeps flash attention's forward outputs."""
+def _attention(comp: Composition, check: _Checker, hw: Hardware) -> dict[str, str]:
+    """The `attention` section with defaults: `residuals: save` keeps flash attention's forward outputs;
+    `kernel: fa3` runs FlashAttention-3 where MaxText's `cudnn_flash_jax` would run cuDNN's."""
     sec = comp.sections["attention"]
-    residuals, where = (sec["residuals"].value, sec["residuals"].source) if sec else ("recompute", None)
-    if residuals not in RESIDUALS:
-        raise UserError(
-            f"must be one of {', '.join(RESIDUALS)}, got {residuals!r}.", key="attention.residuals", source=where
-        )
+
+    def field(name: str, default: str, allowed: tuple[str, ...]) -> tuple[str, str | None]:
+        value, where = (sec[name].value, sec[name].source) if name in sec else (default, None)
+        if value not in allowed:
+            raise UserError(
+                f"must be one of {', '.join(allowed)}, got {value!r}.", key=f"attention.{name}", source=where
+            )
+        return value, where
+
+    residuals, where = field("residuals", "recompute", RESIDUALS)
     if residuals == "save" and check.value("attention") not in FLASH_ATTENTION:
         raise UserError(
             f"is save, but attention is {check.value('attention')!r}; only cuDNN flash attention's forward "
@@ -221,7 +228,23 @@ def _attention(comp: Composition, check: _Checker) -> dict[str, str]:
             source=where,
             fix=f"set attention to one of {', '.join(FLASH_ATTENTION)}, or attention.residuals: recompute.",
         )
-    return {"residuals": residuals}
+    kernel, where = field("kernel", "cudnn", ATTENTION_KERNELS)
+    if kernel == "fa3" and check.value("attention") != "cudnn_flash_jax":
+        raise UserError(
+            f"is fa3, but attention is {check.value('attention')!r}; FlashAttention-3 takes the place of the "
+            "cuDNN kernel MaxText's cudnn_flash_jax runs.",
+            key="attention.kernel",
+            source=where,
+            fix="set attention: cudnn_flash_jax, or attention.kernel: cudnn.",
+        )
+    if kernel == "fa3" and (hw.compute_capability or (0, 0))[0] != 9:
+        raise UserError(
+            f"is fa3, which is built for Hopper (sm_90a); topology.hardware is {hw.name}.",
+            key="attention.kernel",
+            source=where,
+            fix="use attention.kernel: cudnn on this hardware.",
+        )
+    return {"residuals": residuals, "kernel": kernel}
 
 
 def _env(comp: Composition) -> dict[str, str]:
@@ -278,7 +301,7 @@ def resolve(comp: Composition) -> ResolvedRecipe:
         sources[f"maxtext.{key}"] = (
             f"derived from moe.seq_balance_loss_weight ({sources['moe.seq_balance_loss_weight']})"
         )
-    attention = _attention(comp, check)
+    attention = _attention(comp, check, hw)
     for key in attention:
         sources.setdefault(f"attention.{key}", "default")
     guard = guard_section.resolve(comp.sections["guard"], check.value, lambda k: comp.source("maxtext", k))

@@ -250,6 +250,10 @@ def _run(
             skip_nonfinite.install()
         if resolved.attention["residuals"] == "save":
             remat.install()
+        if resolved.attention["kernel"] == "fa3":
+            from maxtext_moe.upstream import fa3_attention
+
+            fa3_attention.install()
         remat_cse.install()  # before MaxText builds the model: full remat stays full under gradient accumulation
         out(
             f"{resolved.name}: {config.num_decoder_layers} decoder layers, {resolved.topology.num_devices} device(s) "

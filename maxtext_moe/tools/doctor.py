@@ -27,7 +27,7 @@ from maxtext_moe.recipe import xla_flags
 from maxtext_moe.recipe.resolved import ResolvedRecipe
 from maxtext_moe.recipe.validate import FP8_QUANTIZATIONS, MXFP8
 from maxtext_moe.run import distributed
-from maxtext_moe.upstream import deviceless
+from maxtext_moe.upstream import deviceless, fa3_attention
 
 GPU_FIX = "run it on a GPU machine with jax[cuda13]==0.11.2 (pip install '.[gpu]'), or choose a CPU recipe"
 NCCL_EP_MIN = (2, 30, 4)  # what TE 2.20.2's ep_dispatch/ep_combine need
@@ -57,6 +57,7 @@ class Machine:
     host_mem_gib: float
     nccl_ep_lib: str | None = None  # TE's libnccl_ep.so, None when TE (or the library) is absent
     cuda_plugin: bool = False  # JAX's CUDA plugin is installed: `plan --compile` can compile for GPUs without one
+    fa3: str | None = None  # FlashAttention-3's build for MLA (attention.kernel: fa3), None when absent
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,7 @@ def probe() -> Machine:
         host_mem_gib=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,
         nccl_ep_lib=nccl_ep_lib_path(),
         cuda_plugin=deviceless.available(),
+        fa3=fa3_attention.build_info(),
     )
 
 
@@ -301,9 +303,26 @@ def compare(m: Machine, r: ResolvedRecipe) -> list[Line]:
             )
     lines.append(_nccl_line(m, r, te_ok))
     if gpu:
+        lines.append(_fa3_line(m, r))
+    if gpu:
         lines.append(_compile_line(m, r))
     lines.append(Line("host memory", f"{m.host_mem_gib:.0f} GiB", "info"))
     return lines
+
+
+def _fa3_line(m: Machine, r: ResolvedRecipe) -> Line:
+    """Whether FlashAttention-3 for MLA is installed, and whether the recipe runs it (attention.kernel: fa3)."""
+    needed = r.attention["kernel"] == "fa3"
+    have = (m.fa3 or "not installed") + ("; needed by attention.kernel=fa3" if needed else "")
+    if needed and m.fa3 is None:
+        return Line(
+            "flashattention-3",
+            have,
+            "gap",
+            f"build it with {fa3_attention.BUILD} and put the unpacked folder on PYTHONPATH, "
+            "or set attention.kernel=cudnn",
+        )
+    return Line("flashattention-3", have, "ok" if needed else "info")
 
 
 def _compile_line(m: Machine, r: ResolvedRecipe) -> Line:

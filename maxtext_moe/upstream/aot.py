@@ -105,6 +105,10 @@ def compile_step(request: dict[str, Any]) -> dict[str, Any]:
             deepseek_layer.install(settings)
         if request["attention"].get("residuals") == "save":
             remat.install()
+        if request["attention"].get("kernel") == "fa3":
+            from maxtext_moe.upstream import fa3_attention
+
+            fa3_attention.install()
         remat_cse.install()
         config = maxtext_config.check(request["maxtext"], request["sources"])
         # MaxText's train sets the partitioner from its `shardy` key in main(), which this compile skips.

@@ -17,10 +17,13 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from maxtext_moe.upstream import fa3_attention
+
 log = logging.getLogger(__name__)
 
 # The outer primitives the attention forward binds while tracing: JAX's cuDNN binding
-# (jax._src.cudnn.fused_attention_stablehlo) and TE's fused attention (attention: cudnn_flash_te).
+# (jax._src.cudnn.fused_attention_stablehlo) and TE's fused attention (attention: cudnn_flash_te); FA3's
+# (attention.kernel: fa3) is a generic FFI call, told apart by its target (`fa3_attention.is_forward`).
 ATTENTION_FORWARD_PRIMITIVES = frozenset({"dot_product_attention_fwd_wrapper", "te_fused_attn_forward_ffi_wrapper"})
 
 Policy = Callable[..., Any]
@@ -30,7 +33,7 @@ def keep_attention_residuals(policy: Policy | None) -> Policy:
     """`policy` (None: save nothing, MaxText's full remat) that also saves flash attention's forward outputs."""
 
     def saving(prim: Any, *args: Any, **params: Any) -> Any:
-        if prim.name in ATTENTION_FORWARD_PRIMITIVES:
+        if prim.name in ATTENTION_FORWARD_PRIMITIVES or fa3_attention.is_forward(prim, params):
             return True
         return policy(prim, *args, **params) if policy is not None else False
 

@@ -5,12 +5,13 @@
 # scripts/device/proxy_ladder_h200.sh. A kernel that fails logs why and the others go on. Logs and JSON:
 # $OUT/results.tgz; the last lines are one table.
 # Usage there: bash scripts/device/attention_h200.sh STEPS ["NAME [RECIPE] key=value ..." ...]
-#   KERNELS (default "cudnn tokamax_mosaic tokamax_triton te") and SHAPES ("4096:6 8192:3") choose the runs.
+#   KERNELS (default "cudnn fa3 tokamax_mosaic tokamax_triton te") and SHAPES ("4096:6 8192:3") choose the runs;
+#   fa3 needs .device/fa3/fa3_h200.tar.xz (scripts/device/build_fa3_carry.sh), which common.sh unpacks.
 set -uo pipefail
 steps=$1; shift
 source scripts/device/common.sh
 for shape in ${SHAPES:-4096:6 8192:3}; do
-  for kernel in ${KERNELS:-cudnn tokamax_mosaic tokamax_triton te}; do
+  for kernel in ${KERNELS:-cudnn fa3 tokamax_mosaic tokamax_triton te}; do
     name=attention_${kernel}_s${shape%:*}
     NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2 timeout -k 10 "${ATTENTION_TIMEOUT:-150}" \
       python3 benchmarks/bench_attention.py --implementation "$kernel" --seq "${shape%:*}" --batch "${shape#*:}" \

@@ -14,6 +14,11 @@ source "$TE_ROOT/activate.sh"
 # (docs/results/attention_h200_2026-12-04_call1_te_s4096_cudnn_sublibrary_failed.txt). Pointed at the pip cuDNN that
 # JAX loads, TE's fused attention runs MLA's 192/128 head dims.
 CUDNN_HOME=$(python3 -c "import nvidia.cudnn as c; print(list(c.__path__)[0])") && export CUDNN_HOME
+# FlashAttention-3 for MLA (attention.kernel: fa3), when scripts/device/build_fa3_carry.sh built it here.
+FA3_ARCHIVE=${FA3_ARCHIVE:-.device/fa3/fa3_h200.tar.xz} FA3_ROOT=${FA3_ROOT:-/opt/fa3}
+if [ -f "$FA3_ARCHIVE" ]; then
+  mkdir -p "$FA3_ROOT" && tar -xJf "$FA3_ARCHIVE" -C "$FA3_ROOT" && export PYTHONPATH=$PYTHONPATH:$FA3_ROOT
+fi
 W=${DEVICE_RESULTS:-/tmp/results}; mkdir -p "$W"  # logs gather here; each script packs them into one file under $OUT
 nvidia-smi --query-gpu=index,name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv | tee -a "$W/gpu.txt"
 pack() { tar czf "$OUT/results.tgz" -C "$W" . ; }

@@ -20,7 +20,7 @@ if [ "$1" = -L ]; then echo "GPU 0: NVIDIA H200"; echo "GPU 1: NVIDIA H200"; els
 # Logs each call with the variables the scripts set; `bench` also logs when it starts and ends (1 s later).
 FAKE_PYTHON = """#!/bin/bash
 echo "CVD=${CUDA_VISIBLE_DEVICES-unset} PID=${JAX_PROCESS_ID-unset} N=${JAX_NUM_PROCESSES-unset} $*" >> "$CALLS"
-echo "${PYTHONPATH%%:*} $*" >> "$CALLS.pythonpath"
+echo "$PYTHONPATH $*" >> "$CALLS.pythonpath"
 case "$*" in
   *" bench "*fails=1*) for a in "$@"; do case $a in base_output_directory=*) d=${a#*=};; esac; done
                mkdir -p "$d/run"; echo "last MaxText line: compiling" > "$d/run/maxtext.log"; exit 3;;
@@ -53,7 +53,11 @@ def run_script(
         TE_ROOT=str(te),
         CALLS=str(calls),
         DEVICE_RESULTS=str(tmp_path / "results"),
-        **extra_env,
+        **{
+            "FA3_ARCHIVE": str(tmp_path / "no-fa3.tar.xz"),  # the checkout's own .device/ stays out of the test
+            "FA3_ROOT": str(tmp_path / "fa3"),
+            **extra_env,
+        },
     )
     for name in ("CUDA_VISIBLE_DEVICES", "JAX_PROCESS_ID", "JAX_NUM_PROCESSES"):  # as the scripts would find them
         env.pop(name, None)
@@ -114,7 +118,7 @@ def test_a_ladder_rung_can_run_another_source_tree(tmp_path: Path) -> None:
     proc, calls, archive = run_script(tmp_path, "proxy_ladder_h200.sh", "6", "now x=1", "base@maxtext_moe x=1")
     assert proc.returncode == 0, proc.stderr
     lines = (tmp_path / "calls.txt.pythonpath").read_text().splitlines()
-    paths = {rung_name(line): line.split()[0] for line in lines if " bench " in line}
+    paths = {rung_name(line): line.split()[0].split(":")[0] for line in lines if " bench " in line}
     assert paths == {"now": str(REPO), "base": str(REPO / "maxtext_moe")}
     assert {"now.summary", "base.summary"} <= packed(archive)
 
@@ -302,3 +306,27 @@ def test_receive_script_runs_the_gpu_tests_then_the_benchmark_in_bf16_and_fp8(tm
         (False, True, True),
     ]
     assert {"gpu_tests.log", "receive_none.log", "receive_current_scaling.log"} <= packed(archive)
+
+
+def test_attention_script_times_fa3_beside_cudnn_from_the_carried_archive(tmp_path: Path) -> None:
+    """With FA3's archive carried, common.sh unpacks it and puts it on PYTHONPATH; the script times it beside
+    cuDNN at each shape."""
+    lib = tmp_path / "build" / "flash_attn3_jax_lib"
+    lib.mkdir(parents=True)
+    (lib / "flash_api.so").write_bytes(b"")
+    archive = tmp_path / "fa3_h200.tar.xz"
+    subprocess.run(["tar", "-cJf", str(archive), "-C", str(tmp_path / "build"), "."], check=True)
+    proc, calls, archive_out = run_script(
+        tmp_path, "attention_h200.sh", "6", FA3_ARCHIVE=str(archive), KERNELS="cudnn fa3", SHAPES="4096:6 8192:3"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "fa3" / "flash_attn3_jax_lib" / "flash_api.so").exists()
+    runs = [
+        re.search(r"--implementation (\w+) --seq (\d+) --batch (\d+)", c).groups()
+        for c in calls
+        if "bench_attention" in c
+    ]
+    assert runs == [("cudnn", "4096", "6"), ("fa3", "4096", "6"), ("cudnn", "8192", "3"), ("fa3", "8192", "3")]
+    paths = (tmp_path / "calls.txt.pythonpath").read_text().splitlines()
+    assert all(line.split()[0].endswith(f":{tmp_path / 'fa3'}") for line in paths if "bench_attention" in line)
+    assert {"attention.txt", "attention_fa3_s8192.log"} <= packed(archive_out)

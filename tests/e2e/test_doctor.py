@@ -161,3 +161,26 @@ def test_nccl_ep_exchange_needs_new_nccl_and_tes_library():
 @pytest.mark.parametrize("code,version", [(22809, (2, 28, 9)), (23004, (2, 30, 4)), (2804, (2, 8, 4))])
 def test_nccl_version_codes(code, version):
     assert doctor.nccl_version(code) == version
+
+
+def test_fa3_kernel_needs_its_build_and_names_the_script():
+    proxy = resolve("deepseek3-proxy-h200-1gpu", ["attention.kernel=fa3"])
+    missing = doctor.compare(_h200(local_devices=1), proxy)
+    assert "build_fa3_carry.sh" in _gaps(missing)["flashattention-3"]
+    built = doctor.compare(_h200(local_devices=1, fa3="flash-attn3-jax dccfc16; kernels: BF16 sm_90a"), proxy)
+    assert "flashattention-3" not in _gaps(built)
+    line = next(x for x in built if x.item == "flashattention-3")
+    assert line.status == "ok" and "needed by attention.kernel=fa3" in line.have
+    cudnn = doctor.compare(_h200(local_devices=1), resolve("deepseek3-proxy-h200-1gpu", []))
+    assert next(x for x in cudnn if x.item == "flashattention-3").status == "info"
+
+
+def test_fa3_build_is_found_on_the_path_without_importing_it(tmp_path, monkeypatch):
+    from maxtext_moe.upstream import fa3_attention
+
+    assert fa3_attention.build_info() is None  # this machine has no FA3 build on its path
+    (tmp_path / "flash_attn3_jax_lib").mkdir()
+    (tmp_path / "flash_attn3_jax_lib" / "flash_api.cpython-312-x86_64-linux-gnu.so").write_bytes(b"")
+    (tmp_path / "BUILD_INFO").write_text("flash-attn3-jax dccfc16\nkernels: BF16 sm_90a\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert fa3_attention.build_info() == "flash-attn3-jax dccfc16; kernels: BF16 sm_90a"

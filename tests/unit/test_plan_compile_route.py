@@ -61,6 +61,19 @@ def test_deviceless_route_stands_jax_cudnn_attention_in_for_tes() -> None:
     assert "attention=cudnn_flash_jax" not in on_gpu.overrides  # a GPU here answers TE itself
 
 
+def test_fa3_recipes_compile_with_cudnn_attention_where_no_gpu_runs_fa3() -> None:
+    """FA3's library may be absent where the plan compiles; deviceless, cuDNN's kernel (same residuals) stands in,
+    and the XLA:CPU route's switches leave a recipe that still resolves."""
+    fa3 = ["attention.kernel=fa3"]
+    aot = compile_route.choose_route(resolve("deepseek3-proxy-h200-1gpu", fa3), gpus_here=0, deviceless_ok=True)
+    assert aot.name == "gpu-aot" and "attention.kernel=cudnn" in aot.overrides and "FlashAttention-3" in aot.description
+    cpu = compile_route.choose_route(resolve("deepseek3-proxy-h200-1gpu", fa3), gpus_here=0, deviceless_ok=False)
+    assert cpu.name == "cpu"
+    assert resolve("deepseek3-proxy-h200-1gpu", [*fa3, *cpu.overrides]).attention["kernel"] == "cudnn"
+    plain = compile_route.choose_route(resolve("deepseek3-proxy-h200-1gpu", []), gpus_here=0, deviceless_ok=True)
+    assert "attention.kernel=cudnn" not in plain.overrides
+
+
 def test_deviceless_target_describes_the_recipes_gpu_kind() -> None:
     from maxtext_moe.recipe.hardware import profile
     from maxtext_moe.upstream import deviceless

@@ -259,7 +259,7 @@ def test_moe_section_defaults_and_checks():
         "dispatch_chunks": 1,
         "seq_balance_loss_weight": 0.0,
     }
-    assert r.attention == {"residuals": "recompute"}
+    assert r.attention == {"residuals": "recompute", "kernel": "cudnn"}
     assert r.sources["moe.gemm"] == "default for cpu"
     assert "moe.impl: must be one of maxtext, ours, got 'mine'." in error_of(TINY, "moe.impl=mine")
     assert "moe.gemm: applies only to moe.impl: ours" in error_of(TINY, "moe.gemm=tokamax")
@@ -420,3 +420,15 @@ def test_attention_section_refuses_unknown_residuals_naming_the_source():
     assert "command line: attention.residuals: must be one of recompute, save, got 'keep'." in error_of(
         TINY, "attention.residuals=keep"
     )
+
+
+def test_attention_kernel_fa3_needs_the_cudnn_path_it_replaces_and_hopper():
+    proxy = "deepseek3-proxy-h200-1gpu"
+    assert compose_resolve(proxy).attention["kernel"] == "cudnn"
+    assert compose_resolve(proxy, "attention.kernel=fa3").attention == {"residuals": "save", "kernel": "fa3"}
+    assert "attention.kernel: must be one of cudnn, fa3, got 'fa4'." in error_of(proxy, "attention.kernel=fa4")
+    wrong_path = error_of(proxy, "attention.kernel=fa3", "attention=cudnn_flash_te")
+    assert "attention.kernel: is fa3, but attention is 'cudnn_flash_te'" in wrong_path
+    assert "set attention: cudnn_flash_jax" in wrong_path
+    blackwell = error_of("deepseek3-671b-gb200-128", "attention.kernel=fa3", "attention=cudnn_flash_jax")
+    assert "built for Hopper (sm_90a); topology.hardware is gb200" in blackwell
