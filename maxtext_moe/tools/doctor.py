@@ -11,15 +11,12 @@ compares it with the resolved recipe. Every gap carries its fix; any gap makes t
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import importlib.metadata
 import importlib.util
 import json
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 from maxtext_moe.errors import UserError
@@ -27,6 +24,13 @@ from maxtext_moe.recipe import xla_flags
 from maxtext_moe.recipe.resolved import ResolvedRecipe
 from maxtext_moe.recipe.validate import FP8_QUANTIZATIONS, MXFP8
 from maxtext_moe.run import distributed
+from maxtext_moe.tools.library_versions import (
+    call_version,
+    dist_version,
+    loaded_nccl_code,
+    nccl_ep_lib_path,
+    nccl_version,
+)
 from maxtext_moe.upstream import deviceless, fa3_attention
 
 GPU_FIX = "run it on a GPU machine with jax[cuda13]==0.11.2 (pip install '.[gpu]'), or choose a CPU recipe"
@@ -68,68 +72,6 @@ class Line:
     fix: str = ""
 
 
-def _nvidia_lib(stem: str) -> str | None:
-    """A CUDA library from the pip `nvidia-*` wheels (where jax[cuda13] gets it), else the loader's."""
-    spec = importlib.util.find_spec("nvidia")
-    for root in (spec.submodule_search_locations if spec else []) or []:
-        found = sorted(Path(root).glob(f"**/lib/{stem}.so*"))
-        if found:
-            return str(found[0])
-    return ctypes.util.find_library(stem.removeprefix("lib"))
-
-
-def _call_version(stem: str, symbol: str, by_pointer: bool) -> int | None:
-    path = _nvidia_lib(stem)
-    if path is None:
-        return None
-    try:
-        fn = getattr(ctypes.CDLL(path), symbol)
-    except (OSError, AttributeError):
-        return None
-    if by_pointer:
-        v = ctypes.c_int(0)
-        return v.value if fn(ctypes.byref(v)) == 0 else None
-    fn.restype = ctypes.c_size_t
-    return int(fn())
-
-
-def loaded_nccl_code() -> int | None:
-    """The version of `libnccl.so.2` as TE's `ep_bootstrap` loads it (by that name: the copy the loader
-    picks, LD_PRELOAD first, or the one jax's plugin already loaded), else of the pip wheel's copy."""
-    try:
-        v = ctypes.c_int(0)
-        if ctypes.CDLL("libnccl.so.2").ncclGetVersion(ctypes.byref(v)) == 0:
-            return v.value
-    except (OSError, AttributeError):
-        pass
-    return _call_version("libnccl", "ncclGetVersion", by_pointer=True)
-
-
-def nccl_ep_lib_path() -> str | None:
-    """TE's NCCL EP library (`libnccl_ep.so`, shipped in TE's core wheel), found without importing TE."""
-    spec = importlib.util.find_spec("transformer_engine")
-    if spec is None or spec.origin is None:
-        return None
-    found = sorted(Path(spec.origin).parent.glob("**/libnccl_ep*.so*"))
-    return str(found[0]) if found else None
-
-
-def nccl_version(code: int) -> tuple[int, int, int]:
-    """NCCL's integer version (since 2.9: major*10000 + minor*100 + patch; before: *1000 + *100)."""
-    if code >= 20900:
-        return code // 10000, code % 10000 // 100, code % 100
-    return code // 1000, code % 1000 // 100, code % 100
-
-
-def _dist_version(*names: str) -> str | None:
-    for name in names:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
 def probe() -> Machine:
     """Look at this machine; jax must see the recipe's environment already (see `run`)."""
     import jax
@@ -137,7 +79,7 @@ def probe() -> Machine:
     devices = jax.local_devices()
     d = devices[0]
     cc = getattr(d, "compute_capability", None)
-    te_version = _dist_version(
+    te_version = dist_version(
         "transformer_engine_jax", "transformer-engine-jax", "transformer_engine", "transformer-engine"
     )
     te_error = compiled_v2 = cublaslt = None
@@ -150,7 +92,7 @@ def probe() -> Machine:
         except Exception as e:  # noqa: BLE001 - any import failure is the finding
             te_error = f"{type(e).__name__}: {e}".splitlines()[0][:200]
     if cublaslt is None:
-        cublaslt = _call_version("libcublasLt", "cublasLtGetVersion", by_pointer=False)
+        cublaslt = call_version("libcublasLt", "cublasLtGetVersion", by_pointer=False)
     nccl = loaded_nccl_code()
     return Machine(
         jax_version=jax.__version__,

@@ -8,7 +8,7 @@ import pytest
 from conftest import run_cli
 
 from maxtext_moe.cli import resolve
-from maxtext_moe.tools import doctor
+from maxtext_moe.tools import doctor, library_versions
 
 H200_RECIPE = "deepseek3-671b-h200-128"
 
@@ -160,7 +160,7 @@ def test_nccl_ep_exchange_needs_new_nccl_and_tes_library():
 
 @pytest.mark.parametrize("code,version", [(22809, (2, 28, 9)), (23004, (2, 30, 4)), (2804, (2, 8, 4))])
 def test_nccl_version_codes(code, version):
-    assert doctor.nccl_version(code) == version
+    assert library_versions.nccl_version(code) == version
 
 
 def test_fa3_kernel_needs_its_build_and_names_the_script():

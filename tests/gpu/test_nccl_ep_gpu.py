@@ -16,7 +16,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from maxtext_moe.tools import doctor
+from maxtext_moe.tools import doctor, library_versions
 
 WORKER = Path(__file__).with_name("nccl_ep_worker.py")
 
@@ -24,10 +24,10 @@ WORKER = Path(__file__).with_name("nccl_ep_worker.py")
 def _nccl_ep_missing() -> str | None:
     if sum(d.platform == "gpu" for d in jax.devices()) < 2:
         return "needs 2 GPUs"
-    if importlib.util.find_spec("transformer_engine") is None or doctor.nccl_ep_lib_path() is None:
+    if importlib.util.find_spec("transformer_engine") is None or library_versions.nccl_ep_lib_path() is None:
         return "needs Transformer Engine with libnccl_ep.so"
-    code = doctor.loaded_nccl_code()
-    if code is None or doctor.nccl_version(code) < doctor.NCCL_EP_MIN:
+    code = library_versions.loaded_nccl_code()
+    if code is None or library_versions.nccl_version(code) < doctor.NCCL_EP_MIN:
         return f"needs libnccl.so.2 >= {doctor.NCCL_EP_MIN} (NCCL EP), found {code}"
     return None
 
