@@ -59,6 +59,8 @@ def _bench_settings(d: dict) -> str:
         out.append(f"attention.residuals={residuals}")
     if (kernel := (d.get("attention") or {}).get("kernel")) not in (None, "cudnn"):
         out.append(f"attention.kernel={kernel}")
+    if d.get("variant"):  # a change of source the settings do not show, written into the file by hand
+        out.append(d["variant"])
     if s.get("n_routing_groups", -1) in (-1, None) or not s.get("mtp_num_layers"):
         out.append(f"groups {s.get('n_routing_groups', '-')}, mtp {s.get('mtp_num_layers', 0)}")
     if (factor := s.get("ragged_buffer_factor")) not in (None, -1, -1.0):
