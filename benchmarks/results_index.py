@@ -95,6 +95,9 @@ def _compile(d: dict) -> tuple[str, str, str, str]:
         figure += f", planned {planned / GIB:.1f} GiB"
     if (seconds := c.get("compile_s") or d.get("wall_s")) is not None:
         figure += f", compiled in {seconds:.0f} s"
+    if remat := d.get("remat_gemms"):
+        gemms, again = remat["xla_gemm_flops"] / 1e12, remat["remat_gemm_flops"] / 1e12
+        figure += f", XLA GEMMs {gemms:.1f} TFLOP ({again:.1f} recomputed)"
     overrides = " ".join(d.get("compiled_with_overrides") or [])
     devices = c.get("devices", "?")
     where = {"gpu": "an H200, mock topology", "gpu-aot": "deviceless (CPU host)", "cpu": "XLA:CPU"}

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from maxtext_moe.errors import UserError
-from maxtext_moe.plan import compile_route, exchange_overlap, layout, memory, peak, scheduler_limit
+from maxtext_moe.plan import compile_route, exchange_overlap, layout, memory, peak, remat_gemms, scheduler_limit
 from maxtext_moe.plan.model import Model
 from maxtext_moe.recipe import composition, maxtext_keys, validate, xla_flags
 from maxtext_moe.recipe.resolved import ResolvedRecipe
@@ -164,6 +164,7 @@ class CompiledPlan:
     peak_note: str = ""  # why a dump asked for gave no peak
     limit: scheduler_limit.SchedulerLimit | None = None  # XLA:GPU's scheduler budget, for the recipe's GPU kind
     exchange: exchange_overlap.ExchangeOverlap | None = None  # what runs inside each all-to-all (HLO dump)
+    remat: remat_gemms.RematGemms | None = None  # GEMM work XLA recomputes to fit memory (HLO dump)
 
     @property
     def compiled_total(self) -> int:
@@ -196,6 +197,7 @@ class CompiledPlan:
             "at_peak": asdict(self.at_peak) if self.at_peak else None,
             "scheduler_limit": self.limit.to_json(self.planned.device_total) if self.limit else None,
             "exchange_overlap": self.exchange.to_json() if self.exchange else None,
+            "remat_gemms": self.remat.to_json() if self.remat else None,
         }
 
     def render(self) -> str:
@@ -223,6 +225,8 @@ class CompiledPlan:
             )
         if self.exchange:
             lines.append("  " + self.exchange.render())
+        if self.remat:
+            lines.append("  " + self.remat.render())
         if self.at_peak:
             lines += ["  " + line for line in self.at_peak.render(top=10).splitlines()]
         elif self.peak_note:
@@ -248,12 +252,12 @@ def read_peak(r: ResolvedRecipe) -> tuple[peak.Peak | None, str]:
         return None, f"what is alive at XLA's peak: not read from {dump}: {e}"
 
 
-def read_exchange(r: ResolvedRecipe) -> exchange_overlap.ExchangeOverlap | None:
-    """The step's all-to-alls and what XLA scheduled inside them, from the HLO dump the recipe's flags asked
-    for; None without a dump, an unreadable one, or a step without all-to-alls."""
+def _from_dump[T](r: ResolvedRecipe, reader: Callable[[Path], T]) -> T | None:
+    """What `reader` finds in the HLO dump the recipe's flags asked for (the step's all-to-alls and what XLA
+    scheduled inside them; the GEMM work it recomputes); None without a dump or with an unreadable one."""
     dump = _dump_dir(r)
     try:
-        return exchange_overlap.find(dump) if dump else None
+        return reader(dump) if dump else None
     except UserError:
         return None
 
@@ -278,4 +282,15 @@ def run(ref: str, overrides: Sequence[str], r: ResolvedRecipe, *, gpus_here: int
         )
     )
     planned = memory.per_gpu(Model.from_recipe(r), lay)
-    return CompiledPlan(r.name, route, planned, lay.describe(), result, at_peak, note, limit, read_exchange(compiled))
+    return CompiledPlan(
+        r.name,
+        route,
+        planned,
+        lay.describe(),
+        result,
+        at_peak,
+        note,
+        limit,
+        _from_dump(compiled, exchange_overlap.find),
+        _from_dump(compiled, remat_gemms.find),
+    )

@@ -1,0 +1,113 @@
+"""The GEMM work XLA recomputes to fit a step in memory, read from the compiled step's HLO dump.
+
+The gap: when a step's buffers would exceed the device's memory, XLA's HLO rematerialization pass recomputes
+values instead of keeping them (instructions named `*.remat`, `*.remat2`, ...). Neither `memory_analysis()`,
+nor MaxText's TFLOPS (model FLOPs), nor the plan shows that work; a profile shows it only as kernels with
+`remat` in their names. On the FP8 one-H200 proxy at batch 8 it recomputes the LM head's GEMMs (the main
+output's and the MTP layer's) several times a step. This sums XLA's own GEMMs (`dot` instructions, inside
+GEMM fusions too; TE's GEMMs are custom calls and not counted) over the schedule, while-loop bodies times their
+known trip count, and the share under a rematerialized instruction. It reads the same dump as
+`exchange_overlap` (docs/PLAN.md gives the flags).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from maxtext_moe.errors import UserError
+
+_HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
+_SHAPE = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[([\d,]*)\]")
+_DOT = re.compile(r"= \w+\[([\d,]*)\]\S* dot\(%([\w.\-]+)")
+_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+_CALLS = re.compile(r"calls=%([\w.\-]+)")
+_BODY = re.compile(r"body=%([\w.\-]+)")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_REMAT = re.compile(r"^\s*(?:ROOT )?%[\w.\-]*\.remat\d*(?:\.\d+)? = ")
+
+
+@dataclass(frozen=True)
+class RematGemms:
+    """XLA's GEMM FLOPs in one step, and the part of them rematerialization adds."""
+
+    total_flops: float
+    remat_flops: float
+    by_shape: dict[str, float] = field(default_factory=dict)  # "out [M,N], K" -> recomputed FLOPs
+
+    def to_json(self) -> dict[str, Any]:
+        return {"xla_gemm_flops": self.total_flops, "remat_gemm_flops": self.remat_flops, "by_shape": self.by_shape}
+
+    def render(self, top: int = 3) -> str:
+        line = (
+            f"XLA's own GEMMs (not TE's): {self.total_flops / 1e12:.1f} TFLOP a step, of which "
+            f"{self.remat_flops / 1e12:.1f} recomputed by XLA's rematerialization to fit memory"
+        )
+        if self.remat_flops:
+            biggest = sorted(self.by_shape.items(), key=lambda kv: -kv[1])[:top]
+            line += " (largest: " + "; ".join(f"{k}: {v / 1e12:.1f}" for k, v in biggest) + ")"
+        return line
+
+
+def _computations(text: str) -> dict[str, list[str]]:
+    comps: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in text.splitlines():
+        header = _HEADER.match(line)
+        if header and not line.startswith(" "):
+            current = comps.setdefault(header.group(1), [])
+            if line.startswith("ENTRY "):
+                comps["__entry__"] = current
+        elif current is not None:
+            current.append(line)
+    return comps
+
+
+def analyse(text: str) -> RematGemms:
+    """Sum the GEMM FLOPs of one optimized HLO module (XLA's text dump), from its entry computation down."""
+    comps = _computations(text)
+    if "__entry__" not in comps:
+        raise UserError("no ENTRY computation in the HLO text.")
+    shapes = {
+        m.group(1): [int(d) for d in m.group(3).split(",") if d]
+        for line in text.splitlines()
+        if (m := _SHAPE.match(line))
+    }
+    total, remat, by_shape = 0.0, 0.0, Counter()
+
+    def walk(name: str, times: float, recomputed: bool) -> None:
+        nonlocal total, remat
+        for line in comps.get(name, []):
+            again = recomputed or bool(_REMAT.match(line))
+            if (dot := _DOT.search(line)) and (contracting := _CONTRACTING.search(line)):
+                out = [int(d) for d in dot.group(1).split(",") if d]
+                lhs = shapes.get(dot.group(2), [])
+                k = 1
+                for d in contracting.group(1).split(","):
+                    k *= lhs[int(d)] if d and int(d) < len(lhs) else 1
+                flops = 2.0 * k * times
+                for d in out:
+                    flops *= d
+                total += flops
+                if again:
+                    remat += flops
+                    by_shape[f"[{','.join(map(str, out))}] K={k}"] += flops
+            for called in _CALLS.findall(line):
+                walk(called, times, again)
+            if body := _BODY.search(line):
+                trip = _TRIP.search(line)
+                walk(body.group(1), times * (int(trip.group(1)) if trip else 1), again)
+
+    walk("__entry__", 1.0, False)
+    return RematGemms(total, remat, dict(by_shape))
+
+
+def find(dump: Path, module: str = "jit_train_step") -> RematGemms:
+    """`analyse` the train step's (or `module`'s) optimized module in an XLA dump folder."""
+    files = sorted(dump.glob(f"*{module}*after_optimizations.txt"))
+    if not files:
+        raise UserError(f"no optimized train-step HLO text in {dump}.", fix="add xla_flags.xla_dump_hlo_as_text=true.")
+    return analyse(files[-1].read_text())
