@@ -98,7 +98,7 @@ def _compile(d: dict) -> tuple[str, str, str, str]:
     if remat := d.get("remat_gemms"):
         gemms, again = remat["xla_gemm_flops"] / 1e12, remat["remat_gemm_flops"] / 1e12
         figure += f", XLA GEMMs {gemms:.1f} TFLOP ({again:.1f} recomputed)"
-    overrides = " ".join(d.get("compiled_with_overrides") or [])
+    overrides = " ".join([*(d.get("compiled_with_overrides") or []), *([d["variant"]] if d.get("variant") else [])])
     devices = c.get("devices", "?")
     where = {"gpu": "an H200, mock topology", "gpu-aot": "deviceless (CPU host)", "cpu": "XLA:CPU"}
     machine = f"{devices} device{'s' if devices != 1 else ''}, {where.get(d.get('route'), d.get('route', '?'))}"

@@ -279,6 +279,7 @@ def run(ref: str, overrides: Sequence[str], r: ResolvedRecipe, *, gpus_here: int
             result["memory"],
             deviceless.device_memory_bytes(hw),
             result["xla_flags"],
+            float(compiled.env.get("XLA_PYTHON_CLIENT_MEM_FRACTION", scheduler_limit.ALLOCATOR_FRACTION)),
         )
     )
     planned = memory.per_gpu(Model.from_recipe(r), lay)

@@ -70,3 +70,21 @@ def test_arguments_past_80_percent_of_the_gpu_leave_no_budget() -> None:
     limit = scheduler_limit.of({"argument_size": 70 * gib, "temp_size": 5 * gib}, 80 * gib, "")
     assert limit.used == float("inf") and limit.slop_for(90 * gib) == 100
     assert limit.verdict(90 * gib).startswith("above it")
+
+
+def test_above_the_budget_names_the_slop_factor_the_allocators_memory_allows() -> None:
+    """The FP8 one-H200 proxy at batch 8 (deviceless): temporaries past the budget, so XLA recomputes; at its
+    memory fraction 0.96 the allocator has room for a budget up to slop 137 (135 compiled to 132.6 GiB with
+    nothing recomputed, beside the 134.2 the allocator has); at JAX's default 0.75 there is no room to name."""
+    run = json.loads((RESULTS / "plan_compile_deviceless_proxy_fp8_remat_gemms_2026-12-04.json").read_text())
+    device = deviceless.device_memory_bytes(hardware.profile("h200"))
+    planned = run["planned"]["memory_per_gpu_bytes"]
+    limit = scheduler_limit.of(run["compiled"]["memory"], device, "", allocator_fraction=0.96)
+    assert limit.slop_for_allocator() == 137
+    assert limit.verdict(planned).endswith(
+        "up to xla_flags.xla_gpu_memory_limit_slop_factor=137, with which XLA recomputes less to fit"
+    )
+    at_room = scheduler_limit.of({"argument_size": limit.io_bytes}, device, "--xla_gpu_memory_limit_slop_factor=137")
+    assert at_room.io_bytes + at_room.temp_budget <= 0.96 * device
+    default = scheduler_limit.of(run["compiled"]["memory"], device, "")
+    assert default.slop_for_allocator() < 95 and default.verdict(planned).endswith("needs this much")
