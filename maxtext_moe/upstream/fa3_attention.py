@@ -9,8 +9,10 @@ a custom VJP whose residuals are the forward's output and log-sum-exp (what FA3'
 
 Layout BTNH ([batch, seq, heads, dim]), causal, BF16, no dropout: MaxText's training attention for DeepSeek-V3.
 Decoding and prefill keep MaxText's cuDNN path. Under a device mesh the kernel runs on each device's shard
-(`jax.shard_map`) with the batch and heads split as MaxText's rules say; a sharded sequence (context
-parallelism) is refused, as the kernel sees whole sequences only.
+(`jax.shard_map`) with the batch and heads split as MaxText's rules say (that path has not run on more than one
+GPU yet); a sharded sequence (context parallelism) is refused, as the kernel sees whole sequences only. FA3's
+backward takes a float32 scratch of batch x heads x sequence x 192 from XLA's allocator at run time, which
+XLA's compile does not count.
 """
 
 from __future__ import annotations
