@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Build .device/fa3/fa3_h200.tar.xz: FlashAttention-3 for MLA's head widths (queries and keys 192, values 128)
-# on Hopper, as an XLA FFI library that `attention: fa3` calls (maxtext_moe/attention/fa3.py).
+# on Hopper, as an XLA FFI library that `attention.kernel: fa3` calls (maxtext_moe/upstream/fa3_attention.py).
 #
 # Why a source build: FA3's JAX binding (kyutai-labs/flash-attn3-jax) ships wheels for head width 128 only,
 # and MLA needs 192 for the queries and keys. Its build takes switches for each kernel family; this script
 # keeps the two MLA needs (the (192, 128) forward and the 192 backward, which also serves values of 128),
-# BF16, sm_90a, no split, paged, local, soft-cap, varlen or GQA packing, which brings the build to three
-# kernel files: about 3 minutes on 2 cores (from scratch; a second run relinks). The binding's strides
+# BF16, sm_90a, no split, paged, local, soft-cap, varlen or GQA packing; with the (192, 192) forward, which the
+# binding's dispatch links beside them, that is three kernel files: about 3 minutes on 2 cores (from scratch; a second run relinks). The binding's strides
 # of 128-wide values under 192-wide queries are set by fa3_value_strides.py, applied to a copy of the source.
 #
 # Usage: scripts/device/build_fa3_carry.sh [OUT.tar.xz]
@@ -16,7 +16,7 @@
 #                 ~/.cache/maxtext-moe-fa3).
 #   CUDA_HOME     the CUDA toolkit (default /usr/local/cuda); nvcc >= 12.3.
 # The archive holds flash_attn3_jax_lib/flash_api*.so and BUILD_INFO; on the H200, unpack it to /opt/fa3 and
-# put /opt/fa3 on PYTHONPATH (scripts/device/attention_h200.sh does).
+# put /opt/fa3 on PYTHONPATH (scripts/device/common.sh does).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 out=${1:-$root/.device/fa3/fa3_h200.tar.xz}
@@ -101,4 +101,4 @@ assert 'flash_mha_fwd' in names and 'flash_mha_bwd' in names, names
 print('build_fa3_carry: FFI targets', ' '.join(names))" >&2
 mkdir -p "$(dirname "$out")"
 tar -C "$stage" -cf - . | xz -T2 -9 >"$out"
-echo "build_fa3_carry: $out: $(($(stat -c %s "$out") / 1048576)) MiB" >&2
+echo "build_fa3_carry: $out: $(($(stat -c %s "$out") / 1024)) KiB" >&2
