@@ -6,8 +6,9 @@
 # and MLA needs 192 for the queries and keys. Its build takes switches for each kernel family; this script
 # keeps the two MLA needs (the (192, 128) forward and the 192 backward, which also serves values of 128),
 # BF16, sm_90a, no split, paged, local, soft-cap, varlen or GQA packing; with the (192, 192) forward, which the
-# binding's dispatch links beside them, that is three kernel files: about 3 minutes on 2 cores (from scratch; a second run relinks). The binding's strides
-# of 128-wide values under 192-wide queries are set by fa3_value_strides.py, applied to a copy of the source.
+# binding's dispatch links beside them, that is three kernel files: about 3 minutes on 2 cores from scratch
+# (a second run relinks). The binding's strides of 128-wide values under 192-wide queries are set by
+# fa3_value_strides.py, applied to a copy of the source.
 #
 # Usage: scripts/device/build_fa3_carry.sh [OUT.tar.xz]
 #   FA3_JAX_SRC   a checkout of flash-attn3-jax at FA3_JAX_COMMIT with csrc/cutlass filled in; by default the
