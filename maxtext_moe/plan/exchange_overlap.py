@@ -18,12 +18,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from maxtext_moe.errors import UserError
+from maxtext_moe.plan.hlo_text import BODY, CALLS, INSTRUCTION, computations, read_optimized
 
-_COMPUTATION = re.compile(r"\n(?=%|ENTRY )")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?(%[\w.\-]+) = ")
-_CALLS = re.compile(r"calls=(%[\w.\-]+)")
-_BODY = re.compile(r"body=(%[\w.\-]+)")
 _ALL_TO_ALL = re.compile(r" all-to-all\(")
 _GROUPED_GEMM = 'custom_call_target="te_grouped_gemm_ffi"'
 # cuBLAS GEMMs as custom calls, or as XLA's GEMM fusions (`gemm_fusion_dot...`, kind kCustom).
@@ -68,15 +64,12 @@ class ExchangeOverlap:
 def read(hlo: str) -> ExchangeOverlap | None:
     """The all-to-alls of an optimized module's entry computation and of its while loops' bodies; None when it
     has none."""
-    computations = _COMPUTATION.split(hlo)
-    exchanges = {c.split(" ", 1)[0] for c in computations if _ALL_TO_ALL.search(c)}
-    entry = next((c for c in computations if c.startswith("ENTRY ")), None)
-    if entry is None:
-        raise UserError("the HLO text has no ENTRY computation.", fix="dump the optimized module as text.")
-    bodies = set(_BODY.findall(hlo))
+    entry, by_name = computations(hlo)
+    exchanges = {name for name, c in by_name.items() if _ALL_TO_ALL.search(c)}
+    bodies = set(BODY.findall(hlo))
     windows: list[Window] = []
     synchronous = 0
-    for computation in [entry, *(c for c in computations if c.split(" ", 1)[0] in bodies)]:
+    for computation in [entry, *(c for name, c in by_name.items() if name in bodies)]:
         found, sync = _scheduled(computation.split("\n"), exchanges, in_loop=computation is not entry)
         windows += found
         synchronous += sync
@@ -90,10 +83,10 @@ def _scheduled(lines: list[str], exchanges: set[str], in_loop: bool) -> tuple[li
     started: dict[str, int] = {}
     windows, synchronous = [], 0
     for i, line in enumerate(lines):
-        name = _INSTRUCTION.match(line)
+        name = INSTRUCTION.match(line)
         if name is None:
             continue
-        calls = _CALLS.search(line)
+        calls = CALLS.search(line)
         if " async-start(" in line and calls and calls.group(1) in exchanges:
             started[name.group(1)] = i
         elif " async-done(" in line:
@@ -102,7 +95,7 @@ def _scheduled(lines: list[str], exchanges: set[str], in_loop: bool) -> tuple[li
                 inside = lines[start + 1 : i]
                 windows.append(
                     Window(
-                        instructions=sum(1 for x in inside if _INSTRUCTION.match(x)),
+                        instructions=sum(1 for x in inside if INSTRUCTION.match(x)),
                         dense_gemms=sum(1 for x in inside if _DENSE_GEMM.search(x)),
                         grouped_gemms=sum(1 for x in inside if _GROUPED_GEMM in x),
                         in_loop=in_loop,
@@ -113,18 +106,6 @@ def _scheduled(lines: list[str], exchanges: set[str], in_loop: bool) -> tuple[li
     return windows, synchronous
 
 
-def optimized_hlo(dump_dir: Path, module: str = "jit_train_step") -> Path | None:
-    """The largest optimized-HLO text XLA dumped in `dump_dir` for a module named `module`, if any."""
-    found = list(dump_dir.glob(f"*{module}*after_optimizations.txt")) if dump_dir.is_dir() else []
-    return max(found, key=lambda p: p.stat().st_size) if found else None
-
-
 def find(dump_dir: Path, module: str = "jit_train_step") -> ExchangeOverlap | None:
     """`read` of the largest optimized module named `module` that XLA dumped in `dump_dir`."""
-    hlo = optimized_hlo(dump_dir, module)
-    if hlo is None:
-        raise UserError(
-            f"no optimized HLO of {module!r} in {dump_dir}.",
-            fix="compile with xla_flags.xla_dump_to=DIR xla_flags.xla_dump_hlo_as_text=true.",
-        )
-    return read(hlo.read_text())
+    return read(read_optimized(dump_dir, module))

@@ -18,14 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from maxtext_moe.errors import UserError
+from maxtext_moe.plan.hlo_text import BODY, CALLS, computations, read_optimized
 
-_HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
 _SHAPE = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[([\d,]*)\]")
 _DOT = re.compile(r"= \w+\[([\d,]*)\]\S* dot\(%([\w.\-]+)")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
-_CALLS = re.compile(r"calls=%([\w.\-]+)")
-_BODY = re.compile(r"body=%([\w.\-]+)")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _REMAT = re.compile(r"^\s*(?:ROOT )?%[\w.\-]*\.remat\d*(?:\.\d+)? = ")
 
@@ -52,25 +49,9 @@ class RematGemms:
         return line
 
 
-def _computations(text: str) -> dict[str, list[str]]:
-    comps: dict[str, list[str]] = {}
-    current: list[str] | None = None
-    for line in text.splitlines():
-        header = _HEADER.match(line)
-        if header and not line.startswith(" "):
-            current = comps.setdefault(header.group(1), [])
-            if line.startswith("ENTRY "):
-                comps["__entry__"] = current
-        elif current is not None:
-            current.append(line)
-    return comps
-
-
 def analyse(text: str) -> RematGemms:
     """Sum the GEMM FLOPs of one optimized HLO module (XLA's text dump), from its entry computation down."""
-    comps = _computations(text)
-    if "__entry__" not in comps:
-        raise UserError("no ENTRY computation in the HLO text.")
+    entry, comps = computations(text)
     shapes = {
         m.group(1): [int(d) for d in m.group(3).split(",") if d]
         for line in text.splitlines()
@@ -78,9 +59,9 @@ def analyse(text: str) -> RematGemms:
     }
     total, remat, by_shape = 0.0, 0.0, Counter()
 
-    def walk(name: str, times: float, recomputed: bool) -> None:
+    def walk(computation: str, times: float, recomputed: bool) -> None:
         nonlocal total, remat
-        for line in comps.get(name, []):
+        for line in computation.splitlines():
             again = recomputed or bool(_REMAT.match(line))
             if (dot := _DOT.search(line)) and (contracting := _CONTRACTING.search(line)):
                 out = [int(d) for d in dot.group(1).split(",") if d]
@@ -95,19 +76,16 @@ def analyse(text: str) -> RematGemms:
                 if again:
                     remat += flops
                     by_shape[f"[{','.join(map(str, out))}] K={k}"] += flops
-            for called in _CALLS.findall(line):
-                walk(called, times, again)
-            if body := _BODY.search(line):
+            for called in CALLS.findall(line):
+                walk(comps.get(called, ""), times, again)
+            if body := BODY.search(line):
                 trip = _TRIP.search(line)
-                walk(body.group(1), times * (int(trip.group(1)) if trip else 1), again)
+                walk(comps.get(body.group(1), ""), times * (int(trip.group(1)) if trip else 1), again)
 
-    walk("__entry__", 1.0, False)
+    walk(entry, 1.0, False)
     return RematGemms(total, remat, dict(by_shape))
 
 
 def find(dump: Path, module: str = "jit_train_step") -> RematGemms:
-    """`analyse` the train step's (or `module`'s) optimized module in an XLA dump folder."""
-    files = sorted(dump.glob(f"*{module}*after_optimizations.txt"))
-    if not files:
-        raise UserError(f"no optimized train-step HLO text in {dump}.", fix="add xla_flags.xla_dump_hlo_as_text=true.")
-    return analyse(files[-1].read_text())
+    """`analyse` the largest optimized module named `module` that XLA dumped in `dump`."""
+    return analyse(read_optimized(dump, module))

@@ -31,7 +31,7 @@ from typing import Any
 
 from maxtext_moe.errors import UserError
 from maxtext_moe.moe import scopes
-from maxtext_moe.plan import exchange_overlap
+from maxtext_moe.plan import hlo_text
 
 # cuBLAS's grouped GEMM kernels (`nvjet_..._ptrGroup_...`), which TE's single-kernel grouped GEMM ("V2") runs:
 # XLA may record that call into a command buffer, whose trace events name the buffer instead of TE's op.
@@ -84,7 +84,7 @@ def op_name_of(kernel: str, hlo_op: str, names: dict[str, str]) -> str:
 
 def find_hlo(run: Path) -> Path | None:
     """The largest optimized train-step HLO under RUN/hlo (what `bench --profile` dumps), if any."""
-    return exchange_overlap.optimized_hlo(run / "hlo", "train_step")
+    return hlo_text.optimized_hlo(run / "hlo", "train_step")
 
 
 def stage(kernel: str, hlo_op: str, op_name: str) -> str:
