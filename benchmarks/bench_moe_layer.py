@@ -60,6 +60,14 @@ def time_fn(fn: Callable[[], Any], warmup: int, iters: int) -> dict[str, float]:
     return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "iters": iters}
 
 
+def print_runs(runs: list[dict[str, Any]], width: int, header: str, row: Callable[[dict[str, Any]], str]) -> None:
+    """The runs as a table after the JSON: variant and tokens, then `row`'s columns, or a failed run's error."""
+    print(f"\n{'variant':{width}} {'tokens':>6} {header}")
+    for r in runs:
+        lead = f"{r['variant']:{width}} {r['tokens']:>6}"
+        print(f"{lead} ERROR {r['error'][:80]}" if "error" in r else f"{lead} {row(r)}")
+
+
 def grad_fn(forward: Callable[[Any, jax.Array], jax.Array], cot: jax.Array) -> Callable:
     """jit(grad) of sum(forward(params, x) * cot) in x and params; also returns y for the error check."""
 
@@ -169,15 +177,12 @@ def main(argv: list[str] | None = None) -> int:
             save()
             print(json.dumps(run), flush=True)
 
-    print(f"\n{'variant':18} {'tokens':>6} {'median ms':>10} {'TFLOP/s':>8} {'rel y':>9} {'rel dx':>9}")
-    for r in result["runs"]:
-        if "error" in r:
-            print(f"{r['variant']:18} {r['tokens']:>6} ERROR {r['error'][:80]}")
-        else:
-            print(
-                f"{r['variant']:18} {r['tokens']:>6} {r['median_ms']:>10.2f} {r['tflops']:>8.1f} "
-                f"{r['rel_err_y']:>9.2e} {r['rel_err_dx']:>9.2e}"
-            )
+    print_runs(
+        result["runs"],
+        18,
+        f"{'median ms':>10} {'TFLOP/s':>8} {'rel y':>9} {'rel dx':>9}",
+        lambda r: f"{r['median_ms']:>10.2f} {r['tflops']:>8.1f} {r['rel_err_y']:>9.2e} {r['rel_err_dx']:>9.2e}",
+    )
     return 0
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from bench_moe_layer import rel, time_fn
+from bench_moe_layer import print_runs, rel, time_fn
 
 from maxtext_moe.moe import receive
 from maxtext_moe.moe.gemm import select_te_grouped_gemm_path
@@ -150,15 +150,12 @@ def main(argv: list[str] | None = None) -> int:
         with open(a.out, "w") as f:
             json.dump(result, f, indent=1)
 
-    print(f"\n{'variant':11} {'tokens':>6} {'rows x slots':>13} {'median ms':>10} {'temp GiB':>9}")
-    for r in result["runs"]:
-        if "error" in r:
-            print(f"{r['variant']:11} {r['tokens']:>6} ERROR {r['error'][:80]}")
-        else:
-            print(
-                f"{r['variant']:11} {r['tokens']:>6} {r['rows']:>7} x {r['slots']:<3} {r['median_ms']:>10.2f} "
-                f"{r['temp_gib']:>9.2f}"
-            )
+    print_runs(
+        result["runs"],
+        11,
+        f"{'rows x slots':>13} {'median ms':>10} {'temp GiB':>9}",
+        lambda r: f"{r['rows']:>7} x {r['slots']:<3} {r['median_ms']:>10.2f} {r['temp_gib']:>9.2f}",
+    )
     return 0
 
 
