@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib
+import importlib.util
 import logging
 import os
 from pathlib import Path
@@ -62,8 +63,6 @@ def load() -> str:
 def build_info() -> str | None:
     """What FA3 build Python would import (its BUILD_INFO, one line), without importing it; None when absent.
     `doctor` reports it on any machine, a CPU one included."""
-    import importlib.util
-
     spec = importlib.util.find_spec(LIBRARY.split(".")[0])
     if spec is None or not spec.submodule_search_locations:
         return None
