@@ -83,6 +83,7 @@ def compile_in_subprocess(
     holds the `XLA_FLAGS` the compile ran with (`xla_flags`), which set the scheduler's budget."""
     xla_flags.check(compiled)
     env = _env(compiled, route)
+    hw = compiled.topology.profile
     work = Path(tempfile.mkdtemp(prefix="maxtext-moe-compile-"))
     request = {
         "maxtext": compiled.maxtext,
@@ -91,7 +92,11 @@ def compile_in_subprocess(
         "attention": compiled.attention,
         "num_devices": compiled.topology.num_devices,
         "mock_gpu_topology": route.mock_gpu_topology,
-        "deviceless": {"hardware": compiled.topology.profile.name, "topology": route.deviceless_topology}
+        "deviceless": {
+            "hardware": hw.name,
+            "topology": route.deviceless_topology,
+            "memory_bytes": scheduler_limit.allocator_bytes(deviceless.device_memory_bytes(hw), env),
+        }
         if route.deviceless_topology
         else None,
     }
@@ -123,7 +128,12 @@ def compile_in_subprocess(
         )
     result = json.loads((work / "result.json").read_text(encoding="utf-8"))
     shutil.rmtree(work, ignore_errors=True)
-    return result | {"xla_flags": env.get("XLA_FLAGS", "")}
+    return result | {"xla_flags": env.get("XLA_FLAGS", ""), "allocator_env": _allocator_env(env)}
+
+
+def _allocator_env(env: dict[str, str]) -> dict[str, str]:
+    """The settings of JAX's GPU allocator the compile ran with, whose limit XLA budgeted from."""
+    return {k: env[k] for k in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_ALLOCATOR") if k in env}
 
 
 def _failure(log: Path, returncode: int) -> str:
@@ -271,15 +281,16 @@ def run(ref: str, overrides: Sequence[str], r: ResolvedRecipe, *, gpus_here: int
     result = compile_in_subprocess(compiled, route)
     at_peak, note = read_peak(compiled)
     hw = compiled.topology.profile
-    # The budget is XLA:GPU's, from the memory of the GPU it compiled for: the recipe's kind, or none to say.
+    # The budget is XLA:GPU's, from the allocator of the GPU it compiled for: the recipe's kind, or none to say.
+    device_memory = deviceless.device_memory_bytes(hw)
     limit = (
         None
         if hw.maxtext_hardware != "gpu" or hw.name.upper() not in str(result.get("device_kind", "")).upper()
         else scheduler_limit.of(
             result["memory"],
-            deviceless.device_memory_bytes(hw),
+            device_memory,
             result["xla_flags"],
-            float(compiled.env.get("XLA_PYTHON_CLIENT_MEM_FRACTION", scheduler_limit.ALLOCATOR_FRACTION)),
+            scheduler_limit.allocator_bytes(device_memory, result["allocator_env"]),
         )
     )
     planned = memory.per_gpu(Model.from_recipe(r), lay)

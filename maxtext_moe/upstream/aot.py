@@ -14,8 +14,9 @@ The gaps, filled here: its `get_topology_mesh` either asks for a TPU topology or
 of TPU/A3-style systems with 8 GPUs per host. We instead turn on JAX's `jax_mock_gpu_topology`
 ("slices x hosts x GPUs per host", GPUs per host = this machine's real count) before the first device
 use; or, without a GPU, describe the recipe's GPUs deviceless (`deviceless.py`; N XLA:CPU host devices
-stand in for MaxText's device count) or run on N XLA:CPU host devices; then build the mesh from those
-devices with MaxText's `create_device_mesh`, as `get_topology_mesh` does after choosing its devices. And
+stand in for MaxText's device count, and the compile gets the allocator's limit a GPU would give it) or run
+on N XLA:CPU host devices; then build the mesh from those devices with MaxText's `create_device_mesh`, as
+`get_topology_mesh` does after choosing its devices. And
 MaxText's `train.run` runs its step inside `max_utils.maybe_get_transformer_engine_context` (TE's global
 `MeshResource`) and under the mesh, while `train_compile.jit_and_compile` calls `compile()` outside both:
 TE's FP8 dense GEMMs, partitioned during `compile()`, then find no mesh resource or an empty mesh. We
@@ -120,6 +121,7 @@ def compile_step(request: dict[str, Any]) -> dict[str, Any]:
 
             hw = profile(request["deviceless"]["hardware"])
             deviceless.patch(hw.compute_capability)
+            deviceless.pass_memory_size(request["deviceless"]["memory_bytes"])
             devices = deviceless.devices(hw, request["deviceless"]["topology"])
         if len(jax.devices()) != request["num_devices"] or len(devices) != request["num_devices"]:
             raise RuntimeError(

@@ -10,6 +10,11 @@ live GPU while the step is traced, which these patches answer with the target's 
 - JAX's cuDNN attention (`check_compute_capability`, `is_cuda_compute_capability_equal`);
 - host callbacks (`jax.debug.callback`), which need a live backend to lower: our dropless and EP overflow
   checks (`moe/layer.py`, `moe/receive.py`) send one scalar to the host; they are left out of this compile.
+And one thing a GPU gives the compile that a described device does not: JAX passes XLA the limit of the
+process's GPU allocator as the device's memory size, which XLA's scheduler and rematerialization budget from
+(`plan/scheduler_limit.py`). Without it XLA budgets from 80% of the device's memory, so a recipe whose
+`XLA_PYTHON_CLIENT_MEM_FRACTION` is not 0.8 would compile to another schedule than its run's; `pass_memory_size`
+gives the deviceless compile the same limit.
 The plugin's own start-up check of the CUDA libraries needs a driver and is skipped
 (`JAX_SKIP_CUDA_CONSTRAINTS_CHECK`, set by `plan.compiled`).
 """
@@ -103,3 +108,42 @@ def patch(compute_capability: tuple[int, int]) -> None:
     for name, module in list(sys.modules.items()):
         if name.startswith("transformer_engine") and hasattr(module, "get_device_compute_capability"):
             module.get_device_compute_capability = lambda *args, **kwargs: sm
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    return bytes(out + bytes([value]))
+
+
+# `CompileOptionsProto.executable_build_options` (field 3) and its `device_memory_size` (field 15), in
+# xla/pjrt/proto/compile_options.proto: the field JAX's client sets from its allocator's limit.
+_BUILD_OPTIONS_FIELD, _DEVICE_MEMORY_SIZE_FIELD = 3, 15
+
+
+def with_memory_size(options: Any, memory_bytes: int) -> Any:
+    """`options` (an `xla_client.CompileOptions`) with the device memory size set. JAX's Python binding has no
+    setter for it; a second embedded build-options message, holding only that field, merges into the first
+    when protobuf parses the bytes."""
+    from jax._src.lib import xla_client
+
+    inner = _varint(_DEVICE_MEMORY_SIZE_FIELD << 3) + _varint(memory_bytes)
+    extra = _varint(_BUILD_OPTIONS_FIELD << 3 | 2) + _varint(len(inner)) + inner
+    return xla_client.CompileOptions.ParseFromString(options.SerializeAsString() + extra)
+
+
+def pass_memory_size(memory_bytes: int) -> None:
+    """Give every compile of this process `memory_bytes` as the device's memory size, as JAX does on a GPU
+    (see the module docstring). Call once, before the step is compiled; 0 leaves XLA's own 80% rule."""
+    if not memory_bytes:
+        return
+    from jax._src import compiler
+
+    compile_and_load = compiler.backend_compile_and_load
+
+    def with_allocator_limit(backend: Any, module: Any, devices: Any, options: Any, callbacks: Any) -> Any:
+        return compile_and_load(backend, module, devices, with_memory_size(options, memory_bytes), callbacks)
+
+    compiler.backend_compile_and_load = with_allocator_limit

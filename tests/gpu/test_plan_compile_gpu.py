@@ -65,6 +65,22 @@ def test_deviceless_compile_of_the_ep2_proxy_is_close_to_the_gpu_compile(tmp_pat
     )
 
 
+@pytest.mark.gpu
+@NEEDS_PLUGIN
+def test_deviceless_compile_of_the_bf16_proxy_budgets_from_the_allocator_as_the_gpu_does(tmp_path: Path) -> None:
+    """JAX on a GPU gives XLA its allocator's limit (0.88 of the H200 here) as the device's memory, and XLA's
+    scheduler and rematerialization budget from it. The deviceless compile, given the same limit, lands within
+    1.5 GiB of the H200's own compile of the BF16 proxy (116.8 GiB: temporaries 64.5 beside 52.3 of I/O,
+    docs/results/proxy_h200_1gpu_2026-12-04_gpu_compile_memory.txt); budgeted from 80% of the GPU, it came to
+    112.1 and recomputed 19.5 TFLOP of GEMMs (plan_compile_deviceless_proxy_bf16_recipe_80_percent_2026-12-04.json)."""
+    dump = [f"xla_flags.xla_dump_to={tmp_path}", "xla_flags.xla_dump_hlo_as_text=true"]
+    result = compile_without_gpu("deepseek3-proxy-h200-1gpu", *dump, "xla_flags.xla_dump_hlo_module_re=jit_train_step")
+    limit = result["scheduler_limit"]
+    assert limit["passed_memory_bytes"] == int(0.88 * limit["device_memory_bytes"])
+    assert result["compiled"]["device_total_bytes"] / GIB == pytest.approx(116.8, abs=1.5)
+    assert result["remat_gemms"]["remat_gemm_flops"] < 0.01 * result["remat_gemms"]["xla_gemm_flops"]
+
+
 # The records these compiles are compared with are of one step of the per-device batch, unrolled; the recipes
 # accumulate to the paper's batch (training section), whose compiled step is its own test below.
 FIVE_UNROLLED_LAYERS = ("base_num_decoder_layers=5", "scan_layers=false")
