@@ -3,11 +3,13 @@
 The gap: when a step's buffers would exceed the device's memory, XLA's HLO rematerialization pass recomputes
 values instead of keeping them (instructions named `*.remat`, `*.remat2`, ...). Neither `memory_analysis()`,
 nor MaxText's TFLOPS (model FLOPs), nor the plan shows that work; a profile shows it only as kernels with
-`remat` in their names. On the FP8 one-H200 proxy at batch 8 it recomputes the LM head's GEMMs (the main
-output's and the MTP layer's) several times a step. This sums XLA's own GEMMs (`dot` instructions, inside
-GEMM fusions too; TE's GEMMs are custom calls and not counted) over the schedule, while-loop bodies times their
-known trip count, and the share under a rematerialized instruction. It reads the same dump as
-`exchange_overlap` (docs/PLAN.md gives the flags).
+`remat` in their names. Compiled to 80% of an H200 (XLA's budget when no memory size is passed), the FP8
+one-H200 proxy recomputed its LM heads' GEMMs several times a step; compiled to its allocator's limit, as a run
+is, it recomputes none on the H200 and 7.7 of 166 TFLOP deviceless. This sums XLA's own GEMMs (`dot`
+instructions, inside GEMM fusions too, and the cuBLAS calls an autotuned compile makes of them; TE's GEMMs are
+custom calls of its own and not counted) over the schedule, while-loop bodies times their known trip count, and
+the share under a rematerialized instruction. It reads the same dump as `exchange_overlap` (docs/PLAN.md gives
+the flags).
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ from maxtext_moe.plan.hlo_text import BODY, CALLS, computations, read_optimized
 _SHAPE = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[([\d,]*)\]")
 _DOT = re.compile(r"= \w+\[([\d,]*)\]\S* dot\(%([\w.\-]+)")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+# An autotuned compile (a run on the GPU) hands most GEMMs to cuBLAS: a custom call whose result is a tuple of the
+# product and a workspace, with the dot's dimension numbers in its backend config.
+_CUBLAS = re.compile(r'= \(?\w+\[([\d,]*)\][^=]*? custom-call\(%([\w.\-]+).*custom_call_target="__cublas\$')
+_CUBLAS_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _REMAT = re.compile(r"^\s*(?:ROOT )?%[\w.\-]*\.remat\d*(?:\.\d+)? = ")
 
@@ -63,11 +69,14 @@ def analyse(text: str) -> RematGemms:
         nonlocal total, remat
         for line in computation.splitlines():
             again = recomputed or bool(_REMAT.match(line))
-            if (dot := _DOT.search(line)) and (contracting := _CONTRACTING.search(line)):
+            gemm = (dot := _DOT.search(line)) and (contracting := _CONTRACTING.search(line))
+            if not gemm:
+                gemm = (dot := _CUBLAS.search(line)) and (contracting := _CUBLAS_CONTRACTING.search(line))
+            if gemm:
                 out = [int(d) for d in dot.group(1).split(",") if d]
                 lhs = shapes.get(dot.group(2), [])
                 k = 1
-                for d in contracting.group(1).split(","):
+                for d in contracting.group(1).replace('"', "").split(","):
                     k *= lhs[int(d)] if d and int(d) < len(lhs) else 1
                 flops = 2.0 * k * times
                 for d in out:

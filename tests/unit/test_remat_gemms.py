@@ -64,6 +64,34 @@ def test_a_rematerialized_gemm_fusion_counts_as_recomputed_work() -> None:
     assert "[64,16] K=32" in found.render()
 
 
+# The same GEMM as an autotuned compile on an H200 writes it (a line of the FP8 proxy's step, its backend config cut
+# short): a cuBLAS custom call whose result is the product and a workspace, then a recomputed copy.
+CUBLAS_CONFIG = (
+    'custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"alpha_real":1,"beta":0,'
+    '"dot_dimension_numbers":{"lhs_batch_dimensions":[],"lhs_contracting_dimensions":["1"],'
+    '"rhs_batch_dimensions":[],"rhs_contracting_dimensions":["0"]},"epilogue":"DEFAULT"}}'
+)
+CUBLAS_TEXT = f"""HloModule jit_train_step
+
+ENTRY %main.9 (a: bf16[32768,14336], w: bf16[14336,7168]) -> bf16[32768,7168] {{
+  %bitcast.1374.0 = bf16[32768,14336]{{1,0}} parameter(0)
+  %w = bf16[14336,7168]{{1,0}} parameter(1)
+  %custom-call.73 = (bf16[32768,7168]{{1,0}}, s8[33554432]{{0}}) custom-call(%bitcast.1374.0, %w), {CUBLAS_CONFIG}
+  %custom-call.73.remat = (bf16[32768,7168]{{1,0}}, s8[33554432]{{0}}) custom-call(%bitcast.1374.0, %w), {CUBLAS_CONFIG}
+  %gte.1 = bf16[32768,7168]{{1,0}} get-tuple-element(%custom-call.73), index=0
+  %gte.2 = bf16[32768,7168]{{1,0}} get-tuple-element(%custom-call.73.remat), index=0
+  ROOT %add.3 = bf16[32768,7168]{{1,0}} add(%gte.1, %gte.2)
+}}
+"""
+
+
+def test_cublas_calls_of_an_autotuned_compile_count_as_gemms() -> None:
+    found = remat_gemms.analyse(CUBLAS_TEXT)
+    one = 2 * 32768 * 14336 * 7168
+    assert (found.total_flops, found.remat_flops) == (2 * one, one)
+    assert found.by_shape == {"[32768,7168] K=14336": one}
+
+
 def test_a_dump_without_the_module_names_the_flag(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="xla_dump_hlo_as_text"):
         remat_gemms.find(tmp_path)
