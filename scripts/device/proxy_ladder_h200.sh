@@ -6,6 +6,9 @@
 # A rung named NAME@DIR runs the maxtext_moe of the source tree DIR (an older commit carried in .device, say,
 # to measure a change against its parent in one call).
 # A rung's first word after its name may name another recipe (a word without "="); the one-GPU proxy otherwise.
+# Each summary has the GPU compile's own memory estimate (MaxText's log); with REMAT_GEMMS=1 each rung also dumps
+# its optimized HLO and the summary says how much GEMM work XLA's rematerialization recomputes there
+# (maxtext_moe/plan/remat_gemms.py, as `plan --compile` reads a deviceless dump).
 # Usage there: bash scripts/device/proxy_ladder_h200.sh STEPS ["NAME[@DIR] [RECIPE] key=value ..." ...]
 # (no rungs given: three rungs of upstream's block, tokamax with cuDNN attention through JAX, then TE, then FP8)
 set -uo pipefail
@@ -17,6 +20,9 @@ rung() {  # gpu, name[@tree], then overrides; writes NAME.json, NAME.log and NAM
   local gpu=$1 name=${2%@*} tree=$PWD t0=$SECONDS recipe=deepseek3-proxy-h200-1gpu
   [ "$2" = "$name" ] || tree=$(cd "${2#*@}" && pwd) || return; shift 2
   case ${1:-} in *=* | --* | "") ;; *) recipe=$1; shift ;; esac
+  local dump=/tmp/runs/$name/hlo-dump
+  [ "${REMAT_GEMMS:-0}" = 1 ] && set -- "$@" "xla_flags.xla_dump_to=$dump" xla_flags.xla_dump_hlo_as_text=true \
+    xla_flags.xla_dump_hlo_module_re=jit_train_step
   CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH="$tree:$PYTHONPATH" timeout -k 10 "$RUNG_TIMEOUT" \
     python3 -m maxtext_moe bench "$recipe" \
     --steps "$steps" --warmup 3 --out "$W/$name.json" base_output_directory="/tmp/runs/$name" "$@" > "$W/$name.log" 2>&1
@@ -24,6 +30,9 @@ rung() {  # gpu, name[@tree], then overrides; writes NAME.json, NAME.log and NAM
   { echo "=== $name (GPU $gpu, $((SECONDS - t0)) s wall): $recipe${*:+ $*} rc=$rc"
     grep -E "^(step time|predicted|tokens/s|model TFLOPS|MFU|peak device|loss|profile|  [a-zA-Z])" "$W/$name.log" \
       || tail -4 "$W/$name.log"
+    grep -ho "Total estimated memory size.*" /tmp/runs/"$name"/*/maxtext.log 2>/dev/null | sed 's/^/GPU compile: /'
+    [ -d "$dump" ] && PYTHONPATH="$tree:$PYTHONPATH" python3 -c \
+      "import sys; from pathlib import Path; from maxtext_moe.plan import remat_gemms; print(remat_gemms.find(Path(sys.argv[1])).render())" "$dump"
     [ $rc -eq 0 ] || tail -15 /tmp/runs/"$name"/*/maxtext.log 2>/dev/null  # where a failed or stopped rung was
   } > "$W/$name.summary"
 }
