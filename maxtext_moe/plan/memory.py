@@ -135,7 +135,7 @@ def _scanned_peak(device: dict[str, float], lay: Layout, routed_expert_bytes: fl
     and one layer's backward working set are never live together, as unrolled.
 
     Read from XLA's buffers (deviceless compile of `deepseek3-671b-h200-128` with scan_layers=true, one
-    accumulation step, 107.8 GiB; its HLO dump's live ranges, `python -m maxtext_moe.plan.peak`): the head's
+    accumulation step; its HLO dump's live ranges, `python -m maxtext_moe.plan.peak`): the head's
     backward holds the fp32 logits and their gradient (23.7 GiB) beside the state and the stacked layer inputs
     (19.0); the MTP layer's backward then holds the bf16 logits and their gradient (11.8), its own buffers and
     the stacked expert gradients, allocated there (9.5), and no fp32 logits; inside the backward loop one
