@@ -205,7 +205,10 @@ class CompiledPlan:
             "compiled_over_planned": self.compiled_total / self.planned.device_total,
             "state_compiled_over_planned": self.result["state_bytes"] / self.planned_state,
             "at_peak": asdict(self.at_peak) if self.at_peak else None,
-            "scheduler_limit": self.limit.to_json(self.planned.device_total) if self.limit else None,
+            "scheduler_limit": self.limit.to_json(self.planned.device_total)
+            | {"fit": self.limit.fit(self.compiled_total)}
+            if self.limit
+            else None,
             "exchange_overlap": self.exchange.to_json() if self.exchange else None,
             "remat_gemms": self.remat.to_json() if self.remat else None,
         }
@@ -228,6 +231,8 @@ class CompiledPlan:
         ]
         if self.limit:
             lines.append("  " + self.limit.render(self.planned.device_total))
+            if fit := self.limit.fit(self.compiled_total):
+                lines.append("  " + fit)
         if host or self.planned.host_total:
             lines.append(
                 f"  host (offloaded) per device: compiled {host / GIB:.2f} GiB, planned "

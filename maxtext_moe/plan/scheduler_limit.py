@@ -30,6 +30,12 @@ JAX_MEM_FRACTION = 0.75  # JAX's XLA_PYTHON_CLIENT_MEM_FRACTION when unset
 DEFAULT_SLOP_PERCENT = 95
 # Temporaries within this fraction of the budget (below or above) mean the scheduler, not the step, set them.
 AT_BUDGET = 0.05
+# A GPU's own (autotuned) compile of each one-GPU proxy came up to 1.3 GiB above the deviceless one
+# (docs/PERFORMANCE.md): a compiled total closer than this to the allocator's limit may not fit the run's.
+FIRST_RUN_MARGIN = 2 * GIB
+# Past its budget, XLA's temporaries shrink less than the budget does: 0.7-0.9% for each 1% of slop factor on the
+# H100-256 and H200-128 recipes (slop 95 -> 84 and 95 -> 88 -> 84, docs/results); the lower figure sizes a guess.
+TEMP_PER_BUDGET = 0.7
 _SLOP = re.compile(r"--xla_gpu_memory_limit_slop_factor=(\d+)")
 
 
@@ -86,13 +92,38 @@ class SchedulerLimit:
                 "after recomputing what its rematerialization chose to"
             )
         if self.used >= 1 - AT_BUDGET and planned_total < self.io_bytes + self.temp_bytes:
+            slop = self.slop_for(planned_total)
             return (
                 "at it: XLA scheduled the step to its budget (holding buffers early for overlap, or recomputing "
-                "values to stay within it), so the total is XLA's choice, not the step's floor; to see whether the "
-                "step keeps to the plan, compile it with "
-                f"xla_flags.xla_gpu_memory_limit_slop_factor={self.slop_for(planned_total)}"
+                "values to stay within it), so the total is XLA's choice, not the step's floor"
+                + (
+                    "; to see whether the step keeps to the plan, compile it with "
+                    f"xla_flags.xla_gpu_memory_limit_slop_factor={slop}"
+                    if slop < self.slop_percent
+                    else ""
+                )
             )
         return "within it: the total is what the step needs as XLA scheduled it"
+
+    def fit(self, total_bytes: float) -> str:
+        """Whether a step of `total_bytes` fits the allocator's memory with room for a GPU's own compile, and the
+        budget to try where it does not; empty where the allocator has no limit."""
+        if not self.passed_memory:
+            return ""
+        room = self.passed_memory - total_bytes
+        held = f"{total_bytes / GIB:.1f} of the {self.passed_memory / GIB:.1f} GiB JAX's allocator may take"
+        if room >= FIRST_RUN_MARGIN:
+            return f"fits: {held}, {room / GIB:.1f} GiB to spare"
+        # A first guess to compile: the temporaries' cut, scaled by how little they follow the budget.
+        cut = (1 - (self.passed_memory - FIRST_RUN_MARGIN - self.io_bytes) / max(self.temp_bytes, 1)) / TEMP_PER_BUDGET
+        guess = max(1, min(self.slop_percent - 1, math.floor(self.slop_percent * (1 - cut))))
+        budget = f"xla_flags.xla_gpu_memory_limit_slop_factor={guess}, a first guess to compile again"
+        if room < 0:
+            return f"does not fit: {held}; lower XLA's scheduler budget ({budget}) or the batch"
+        return (
+            f"fits with {room / GIB:.1f} GiB to spare, close to the end: {held}, and a GPU's own compile came up to "
+            f"1.3 GiB above a deviceless one; before a step has run, a smaller budget leaves more room ({budget})"
+        )
 
     def _describe_base(self) -> str:
         if self.passed_memory:
