@@ -12,8 +12,8 @@ Within that budget the scheduler starts collectives early and keeps their buffer
 spare a compile's total says what XLA chose to hold for overlap, not what the step needs: the 671B GB200 and
 GB300 recipes compiled to their budgets, whatever their depth (docs/PLAN.md). Above it XLA recomputes values
 rather than keep them (`remat_gemms` counts the GEMM work). This module computes the budget by the same rule,
-says where a compile sits against it, and gives the slop factor that asks XLA to keep a step within a planned
-total.
+says where a compile sits against it and whether its total fits the allocator's limit, and gives the slop
+factor that asks XLA to keep a step within a planned total, or within that limit.
 """
 
 from __future__ import annotations
