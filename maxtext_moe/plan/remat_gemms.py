@@ -29,8 +29,19 @@ _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 # product and a workspace, with the dot's dimension numbers in its backend config.
 _CUBLAS = re.compile(r'= \(?\w+\[([\d,]*)\][^=]*? custom-call\(%([\w.\-]+).*custom_call_target="__cublas\$')
 _CUBLAS_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
+# The two forms a GEMM takes in the text: (output shape and left operand, its contracted dimensions).
+_GEMM_FORMS = ((_DOT, _CONTRACTING), (_CUBLAS, _CUBLAS_CONTRACTING))
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _REMAT = re.compile(r"^\s*(?:ROOT )?%[\w.\-]*\.remat\d*(?:\.\d+)? = ")
+
+
+def _gemm(line: str) -> tuple[list[int], str, list[int]] | None:
+    """A GEMM instruction's output shape, left operand and contracted dimensions of it; None for other lines."""
+    for gemm, contracting in _GEMM_FORMS:
+        if (found := gemm.search(line)) and (dims := contracting.search(line)):
+            out = [int(d) for d in found.group(1).split(",") if d]
+            return out, found.group(2), [int(d) for d in dims.group(1).replace('"', "").split(",") if d]
+    return None
 
 
 @dataclass(frozen=True)
@@ -69,15 +80,12 @@ def analyse(text: str) -> RematGemms:
         nonlocal total, remat
         for line in computation.splitlines():
             again = recomputed or bool(_REMAT.match(line))
-            gemm = (dot := _DOT.search(line)) and (contracting := _CONTRACTING.search(line))
-            if not gemm:
-                gemm = (dot := _CUBLAS.search(line)) and (contracting := _CUBLAS_CONTRACTING.search(line))
-            if gemm:
-                out = [int(d) for d in dot.group(1).split(",") if d]
-                lhs = shapes.get(dot.group(2), [])
+            if gemm := _gemm(line):
+                out, operand, contracted = gemm
+                lhs = shapes.get(operand, [])
                 k = 1
-                for d in contracting.group(1).replace('"', "").split(","):
-                    k *= lhs[int(d)] if d and int(d) < len(lhs) else 1
+                for d in contracted:
+                    k *= lhs[d] if d < len(lhs) else 1
                 flops = 2.0 * k * times
                 for d in out:
                     flops *= d
