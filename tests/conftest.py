@@ -91,6 +91,17 @@ def one_accumulation_step(recipe: str, *overrides: str) -> list[str]:
     return [*overrides, f"training.batch_start={per_step}", f"training.batch_end={per_step}"]
 
 
+def recorded_scheduler_limit(compiled: dict, device_memory: int):
+    """The scheduler budget a recorded compile (the "compiled" of `plan --compile --json`) ran to, with the slop
+    factor of its flags: from the allocator's limit where `plan --compile` passed it (the record keeps the
+    allocator's settings), from XLA's 80% where the record is of a compile without it."""
+    from maxtext_moe.plan import scheduler_limit
+
+    env = compiled.get("allocator_env")
+    passed = 0 if env is None else scheduler_limit.allocator_bytes(device_memory, env)
+    return scheduler_limit.of(compiled["memory"], device_memory, compiled.get("xla_flags", ""), passed)
+
+
 def compile_without_gpu(*args: str) -> dict:
     """`plan ARGS --compile --json` with no GPU visible: the deviceless route where JAX's CUDA plugin is
     installed (the GPU tests' compiles for GPUs that are not there)."""

@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import one_accumulation_step
+from conftest import one_accumulation_step, recorded_scheduler_limit
 
 from maxtext_moe import cli
 from maxtext_moe.moe.settings import MoeSettings
@@ -225,14 +225,6 @@ def compiled_record(name: str) -> dict:
     return json.loads((RESULTS / f"{name}.json").read_text())
 
 
-def limit_of(compiled: dict, device_memory: int) -> scheduler_limit.SchedulerLimit:
-    """The scheduler budget a recorded compile ran to: from the allocator's limit where `plan --compile` passed it
-    (its record keeps the allocator settings), from XLA's 80% where the record is of a compile without it."""
-    env = compiled.get("allocator_env")
-    passed = 0 if env is None else scheduler_limit.allocator_bytes(device_memory, env)
-    return scheduler_limit.of(compiled["memory"], device_memory, "", passed)
-
-
 def test_planned_memory_within_tolerance_of_every_compiled_671b_recipe() -> None:
     """XLA's per-GPU total for each 671B recipe with unrolled layers, compiled for its full device count, against
     `plan`'s now (the compiled JSON keeps the plan of its day too); the state argument against the planned state
@@ -253,7 +245,7 @@ def test_the_budgets_compiled_with_are_the_ones_the_plans_ask_for() -> None:
     for recipe, (_, slop) in COMPILED_671B.items():
         resolved = cli.resolve(recipe, one_accumulation_step(recipe, *UNROLLED))
         device_memory = deviceless.device_memory_bytes(resolved.topology.profile)
-        limit = limit_of(compiled_record(UNROLLED_671B[recipe])["compiled"], device_memory)
+        limit = recorded_scheduler_limit(compiled_record(UNROLLED_671B[recipe])["compiled"], device_memory)
         planned = estimate(resolved).memory.device_total
         if slop == scheduler_limit.DEFAULT_SLOP_PERCENT:
             assert limit.verdict(planned).startswith("within it"), recipe
@@ -332,7 +324,7 @@ def test_scanned_blackwell_compiles_ran_at_the_budget_their_plans_ask_for() -> N
         plan = scanned_plan(*spec)
         device_memory = deviceless.device_memory_bytes(plan.layout.hardware)
         default = compiled_record(name)["compiled"]
-        limit = limit_of(default, device_memory)
+        limit = recorded_scheduler_limit(default, device_memory)
         planned = plan.memory.device_total
         budgeted = compiled_record(f"{name}_budget_plan")["compiled"]
         assert f"--xla_gpu_memory_limit_slop_factor={limit.slop_for(planned)}" in budgeted["xla_flags"], name

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import recorded_scheduler_limit
 
 from maxtext_moe.plan import scheduler_limit
 from maxtext_moe.recipe import hardware
@@ -14,10 +15,10 @@ from maxtext_moe.upstream import deviceless
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
 
 
-def limit_of(record: str, hw: str, flags: str = "") -> tuple[scheduler_limit.SchedulerLimit, float]:
+def limit_of(record: str, hw: str) -> tuple[scheduler_limit.SchedulerLimit, float]:
     run = json.loads((RESULTS / f"{record}.json").read_text())
     device = deviceless.device_memory_bytes(hardware.profile(hw))
-    return scheduler_limit.of(run["compiled"]["memory"], device, flags), run["planned"]["memory_per_gpu_bytes"]
+    return recorded_scheduler_limit(run["compiled"], device), run["planned"]["memory_per_gpu_bytes"]
 
 
 @pytest.mark.parametrize(
@@ -96,39 +97,34 @@ def test_allocator_limit_follows_jaxs_settings() -> None:
     assert scheduler_limit.of({}, 100 * gib, "", 0).base_memory == 80 * gib
 
 
-def recorded_limit(record: str, hw: str, fraction: str) -> tuple[scheduler_limit.SchedulerLimit, float]:
+def recorded_limit(record: str, hw: str) -> tuple[scheduler_limit.SchedulerLimit, float]:
     """A compile `plan --compile` budgeted from the allocator's limit, as the GPU would, and its total."""
-    run = json.loads((RESULTS / f"{record}.json").read_text())
-    device = deviceless.device_memory_bytes(hardware.profile(hw))
-    passed = scheduler_limit.allocator_bytes(device, {"XLA_PYTHON_CLIENT_MEM_FRACTION": fraction})
-    flags = run["compiled"]["xla_flags"]
-    return scheduler_limit.of(run["compiled"]["memory"], device, flags, passed), run["compiled"]["device_total_bytes"]
+    compiled = json.loads((RESULTS / f"{record}.json").read_text())["compiled"]
+    limit = recorded_scheduler_limit(compiled, deviceless.device_memory_bytes(hardware.profile(hw)))
+    assert limit.passed_memory, record  # a record of a compile given the allocator's limit
+    return limit, compiled["device_total_bytes"]
 
 
 def test_a_step_past_the_allocator_does_not_fit_and_gets_a_smaller_budget_to_try() -> None:
     """The H100-256 recipe at XLA's default budget: 70.4 GiB of the 69.6 its allocator may take. The guess is a
     budget to compile again, below the default; 84 (what the recipe ships) compiled to 65.9."""
-    limit, total = recorded_limit("plan_compile_deviceless_671b_h100_256_default_budget_accumulated", "h100", "0.88")
+    limit, total = recorded_limit("plan_compile_deviceless_671b_h100_256_default_budget_accumulated", "h100")
     fit = limit.fit(total)
     assert fit.startswith("does not fit: 70.4 of the 69.6 GiB")
     guess = int(fit.split("slop_factor=")[1].split(",")[0])
     assert 84 <= guess <= 89  # 84 compiled to 65.9 GiB, 3.7 to spare
-    shipped, shipped_total = recorded_limit(
-        "plan_compile_deviceless_671b_h100_256_scanned_accumulation15", "h100", "0.88"
-    )
+    shipped, shipped_total = recorded_limit("plan_compile_deviceless_671b_h100_256_scanned_accumulation15", "h100")
     assert shipped.slop_percent == 84 and shipped.fit(shipped_total).startswith("fits: 65.9 of the 69.6 GiB")
 
 
 def test_a_step_near_the_allocators_end_is_told_how_close() -> None:
     """The H200-128 recipe at XLA's default budget: 121.4 of 123.0 GiB, little more room than a GPU's own compile
     took over a deviceless one on the proxies; with the 88% the recipe ships, 116.6."""
-    limit, total = recorded_limit("plan_compile_deviceless_671b_h200_128_default_budget_accumulated", "h200", "0.88")
+    limit, total = recorded_limit("plan_compile_deviceless_671b_h200_128_default_budget_accumulated", "h200")
     fit = limit.fit(total)
     assert fit.startswith("fits with 1.6 GiB to spare, close to the end: 121.4 of the 123.0 GiB")
     assert 88 <= int(fit.split("slop_factor=")[1].split(",")[0]) < 95
-    shipped, shipped_total = recorded_limit(
-        "plan_compile_deviceless_671b_h200_128_scanned_accumulation20", "h200", "0.88"
-    )
+    shipped, shipped_total = recorded_limit("plan_compile_deviceless_671b_h200_128_scanned_accumulation20", "h200")
     assert shipped.fit(shipped_total).startswith("fits: 116.6 of the 123.0 GiB")
     assert scheduler_limit.of({}, limit.device_memory, "").fit(total) == ""  # no allocator limit, nothing to say
 
@@ -137,7 +133,7 @@ def test_a_step_at_its_budget_is_not_told_to_take_a_larger_one() -> None:
     """The FP8 proxy compiled to its allocator's limit: temporaries 3% past the budget, what XLA's
     rematerialization kept it to. The plan's memory would need a larger budget, which is no way to keep to it."""
     run = json.loads((RESULTS / "plan_compile_deviceless_proxy_fp8_allocator_limit_2026-12-04.json").read_text())
-    limit, _ = recorded_limit("plan_compile_deviceless_proxy_fp8_allocator_limit_2026-12-04", "h200", "0.96")
+    limit, _ = recorded_limit("plan_compile_deviceless_proxy_fp8_allocator_limit_2026-12-04", "h200")
     planned = run["planned"]["memory_per_gpu_bytes"]
     assert limit.slop_for(planned) > limit.slop_percent
     verdict = limit.verdict(planned)
