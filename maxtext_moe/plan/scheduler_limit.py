@@ -30,7 +30,7 @@ JAX_MEM_FRACTION = 0.75  # JAX's XLA_PYTHON_CLIENT_MEM_FRACTION when unset
 DEFAULT_SLOP_PERCENT = 95
 # Temporaries within this fraction of the budget (below or above) mean the scheduler, not the step, set them.
 AT_BUDGET = 0.05
-# A GPU's own (autotuned) compile of each one-GPU proxy came up to 1.3 GiB above the deviceless one
+# A GPU's own (autotuned) compile of each one-GPU proxy came up to 1.4 GiB above the deviceless one
 # (docs/PERFORMANCE.md): a compiled total closer than this to the allocator's limit may not fit the run's.
 FIRST_RUN_MARGIN = 2 * GIB
 # Past its budget, XLA's temporaries shrink less than the budget does: 0.7-0.9% for each 1% of slop factor on the
@@ -122,7 +122,7 @@ class SchedulerLimit:
             return f"does not fit: {held}; lower XLA's scheduler budget ({budget}) or the batch"
         return (
             f"fits with {room / GIB:.1f} GiB to spare, close to the end: {held}, and a GPU's own compile came up to "
-            f"1.3 GiB above a deviceless one; before a step has run, a smaller budget leaves more room ({budget})"
+            f"1.4 GiB above a deviceless one; before a step has run, a smaller budget leaves more room ({budget})"
         )
 
     def _describe_base(self) -> str:
