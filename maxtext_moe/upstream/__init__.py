@@ -19,6 +19,8 @@ Each module names the gap it fills. `SYMBOLS` lists what they touch, so that one
 - `remat`: wraps `NNXDecoder.get_remat_policy` to keep flash attention's forward outputs.
 - `remat_cse`: rebinds `maxtext_utils.should_prevent_cse_in_remat`, so that unrolled layers keep their remat
   barrier under gradient accumulation on GPUs (without it XLA merges each recomputation with its forward).
+- `mtp_quant`: rebinds `models.MultiTokenPredictionBlock`, and `multi_token_prediction.DenseGeneral` while the block
+  is built, so that the MTP layer takes the decoder's quantization.
 - `maxtext_config`: `pyconfig._initialize_pydantic`, MaxText's config model without its `sys.exit`.
 - `maxtext_errors`: unwraps the error `max_utils.transformer_engine_context` turns into a re-yield.
 - `te`: TE's `_v2_grouped_gemm_available` flag (grouped-GEMM path) and its JAX bindings.
@@ -67,6 +69,8 @@ SYMBOLS: tuple[tuple[str, str, str], ...] = (
     ("maxtext", "maxtext.common.checkpointing", "maybe_save_checkpoint"),
     ("maxtext", "maxtext.common.metric_logger", "MetricLogger.buffer_and_write_metrics"),
     ("maxtext", "maxtext.utils.exceptions", "StopTraining"),
+    ("maxtext", "maxtext.models.models", "MultiTokenPredictionBlock"),
+    ("maxtext", "maxtext.layers.multi_token_prediction", "DenseGeneral"),
     ("maxtext", "maxtext.configs.pyconfig", "_initialize_pydantic"),
     ("maxtext", "maxtext.utils.max_utils", "transformer_engine_context"),
     ("maxtext", "maxtext.utils.max_utils", "maybe_bootstrap_te_moe"),

@@ -23,12 +23,13 @@ def abstract(resolved: ResolvedRecipe) -> tuple[Any, dict[str, tuple[tuple[int, 
     from maxtext.models import models
     from maxtext.utils import maxtext_utils
 
-    from maxtext_moe.upstream import maxtext_config
+    from maxtext_moe.upstream import maxtext_config, mtp_quant
 
     if resolved.moe_settings.ours:
         from maxtext_moe.upstream import deepseek_layer
 
         deepseek_layer.install(resolved.moe_settings)
+    mtp_quant.install()
     config = maxtext_config.check(resolved.maxtext, resolved.sources)
     mesh = jax.sharding.Mesh(maxtext_utils.create_device_mesh(config), config.mesh_axes)
     model = models.transformer_as_linen(
