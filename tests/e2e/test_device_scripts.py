@@ -36,13 +36,13 @@ exit 0
 
 
 def run_script(
-    tmp_path: Path, script: str, *args: str, **extra_env: str
+    tmp_path: Path, script: str, *args: str, python: str = FAKE_PYTHON, **extra_env: str
 ) -> tuple[subprocess.CompletedProcess, list[str], Path]:
     bin_dir, out, te = tmp_path / "bin", tmp_path / "out", tmp_path / "te"
     for d in (bin_dir, out, te):
         d.mkdir()
     (te / "activate.sh").write_text("")
-    for name, text in (("nvidia-smi", FAKE_SMI), ("python3", FAKE_PYTHON)):
+    for name, text in (("nvidia-smi", FAKE_SMI), ("python3", python)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     calls = tmp_path / "calls.txt"
@@ -64,7 +64,7 @@ def run_script(
     proc = subprocess.run(
         ["bash", f"scripts/device/{script}", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
     )
-    return proc, calls.read_text().splitlines(), out / "results.tgz"
+    return proc, calls.read_text().splitlines() if calls.exists() else [], out / "results.tgz"
 
 
 def intervals(tmp_path: Path, name: object) -> dict[str, dict[str, float]]:
@@ -121,6 +121,23 @@ def test_a_ladder_rung_can_run_another_source_tree(tmp_path: Path) -> None:
     paths = {rung_name(line): line.split()[0].split(":")[0] for line in lines if " bench " in line}
     assert paths == {"now": str(REPO), "base": str(REPO / "maxtext_moe")}
     assert {"now.summary", "base.summary"} <= packed(archive)
+
+
+def test_a_rung_of_another_source_tree_runs_that_trees_package_from_the_repository_root(tmp_path: Path) -> None:
+    """The rung's Python itself (not a stand-in) starts from the repository root, whose own `maxtext_moe` Python
+    finds first for `-m` unless told not to: the other tree's package must be the one that runs."""
+    tree = tmp_path / "tree" / "maxtext_moe"
+    tree.mkdir(parents=True)
+    (tree / "__init__.py").write_text("")
+    (tree / "__main__.py").write_text("print('maxtext_moe of the other tree')\n")
+    real_bench = f"""#!/bin/bash
+case "$*" in *" bench "*) exec {sys.executable} "$@";; esac
+"""
+    proc, _, archive = run_script(tmp_path, "proxy_ladder_h200.sh", "6", f"base@{tree.parent}", python=real_bench)
+    assert proc.returncode == 0, proc.stderr
+    with tarfile.open(archive) as t:
+        log = t.extractfile(next(m for m in t.getmembers() if m.name.endswith("base.log"))).read().decode()
+    assert "maxtext_moe of the other tree" in log, log[-2000:]
 
 
 def test_a_ladder_rung_can_name_another_recipe(tmp_path: Path) -> None:
