@@ -4,7 +4,8 @@
 # never shares its GPU). A rung may carry bench options too: `--profile` adds where the device time of
 # two warm-up steps went. Logs and JSON: $OUT/results.tgz.
 # A rung named NAME@DIR runs the maxtext_moe of the source tree DIR (an older commit carried in .device, say,
-# to measure a change against its parent in one call).
+# to measure a change against its parent in one call). Its Python starts with -P: from the repository root,
+# `python -m` would otherwise import the repository's own package ahead of DIR's on PYTHONPATH.
 # A rung's first word after its name may name another recipe (a word without "="); the one-GPU proxy otherwise.
 # Each summary has the GPU compile's own memory estimate (MaxText's log); with REMAT_GEMMS=1 each rung also dumps
 # its optimized HLO and the summary says how much GEMM work XLA's rematerialization recomputes there
@@ -24,14 +25,14 @@ rung() {  # gpu, name[@tree], then overrides; writes NAME.json, NAME.log and NAM
   [ "${REMAT_GEMMS:-0}" = 1 ] && set -- "$@" "xla_flags.xla_dump_to=$dump" xla_flags.xla_dump_hlo_as_text=true \
     xla_flags.xla_dump_hlo_module_re=jit_train_step
   CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH="$tree:$PYTHONPATH" timeout -k 10 "$RUNG_TIMEOUT" \
-    python3 -m maxtext_moe bench "$recipe" \
+    python3 -P -m maxtext_moe bench "$recipe" \
     --steps "$steps" --warmup 3 --out "$W/$name.json" base_output_directory="/tmp/runs/$name" "$@" > "$W/$name.log" 2>&1
   local rc=$?
   { echo "=== $name (GPU $gpu, $((SECONDS - t0)) s wall): $recipe${*:+ $*} rc=$rc"
     grep -E "^(step time|predicted|tokens/s|model TFLOPS|MFU|peak device|loss|profile|  [a-zA-Z])" "$W/$name.log" \
       || tail -4 "$W/$name.log"
     grep -ho "Total estimated memory size.*" /tmp/runs/"$name"/*/maxtext.log 2>/dev/null | sed 's/^/GPU compile: /'
-    [ -d "$dump" ] && PYTHONPATH="$tree:$PYTHONPATH" python3 -c \
+    [ -d "$dump" ] && PYTHONPATH="$tree:$PYTHONPATH" python3 -P -c \
       "import sys; from pathlib import Path; from maxtext_moe.plan import remat_gemms; print(remat_gemms.find(Path(sys.argv[1])).render())" "$dump"
     [ $rc -eq 0 ] || tail -15 /tmp/runs/"$name"/*/maxtext.log 2>/dev/null  # where a failed or stopped rung was
   } > "$W/$name.summary"
