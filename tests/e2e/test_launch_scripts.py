@@ -265,7 +265,7 @@ def test_launch_accepts_the_measured_proxy_and_refuses_a_batch_that_does_not_fit
 
 
 def test_the_h100_recipe_is_refused_by_the_plan_it_compiles_under_and_names_the_compile_to_check():
-    """As shipped, `deepseek3-671b-h100-256` compiles to 65.9 of 69.6 GiB (docs/results), where the plan says 72.1:
+    """As shipped, `deepseek3-671b-h100-256` compiles to 65.8 of 69.6 GiB (docs/results), where the plan says 72.1:
     `launch` refuses it, naming `plan --compile` and --skip-fit-check, and prints the job with the flag."""
     args = ("deepseek3-671b-h100-256", "--slurm", "--nodes", "32")
     refused = run_cli("launch", *args, timeout=120)
