@@ -89,7 +89,8 @@ def test_the_fp8_proxy_leaves_xla_only_the_bf16_output_heads(tmp_path: Path) -> 
     the MTP layer built as MaxText builds it, its attention, shared expert and projection stayed XLA's BF16
     GEMMs: 158.4 TFLOP a step in the H200's compile, 166.1 deviceless."""
     dump = [f"xla_flags.xla_dump_to={tmp_path}", "xla_flags.xla_dump_hlo_as_text=true"]
-    result = compile_without_gpu("deepseek3-proxy-h200-1gpu-fp8", *dump, "xla_flags.xla_dump_hlo_module_re=jit_train_step")
+    dump.append("xla_flags.xla_dump_hlo_module_re=jit_train_step")
+    result = compile_without_gpu("deepseek3-proxy-h200-1gpu-fp8", *dump)
     tokens, vocabulary, hidden = 8 * 4096, 32768, 7168  # the recipe's batch 8 of 4096 tokens
     heads = 2 * 3 * 2 * tokens * vocabulary * hidden
     assert heads <= result["remat_gemms"]["xla_gemm_flops"] < 1.01 * heads
