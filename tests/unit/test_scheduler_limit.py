@@ -15,10 +15,15 @@ from maxtext_moe.upstream import deviceless
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
 
 
-def limit_of(record: str, hw: str) -> tuple[scheduler_limit.SchedulerLimit, float]:
+def _limit_and_run(record: str, hw: str) -> tuple[scheduler_limit.SchedulerLimit, dict]:
     run = json.loads((RESULTS / f"{record}.json").read_text())
-    device = deviceless.device_memory_bytes(hardware.profile(hw))
-    return recorded_scheduler_limit(run["compiled"], device), run["planned"]["memory_per_gpu_bytes"]
+    return recorded_scheduler_limit(run["compiled"], deviceless.device_memory_bytes(hardware.profile(hw))), run
+
+
+def limit_of(record: str, hw: str) -> tuple[scheduler_limit.SchedulerLimit, float]:
+    """A recorded compile's scheduler budget, and the plan's memory beside it."""
+    limit, run = _limit_and_run(record, hw)
+    return limit, run["planned"]["memory_per_gpu_bytes"]
 
 
 @pytest.mark.parametrize(
@@ -99,10 +104,9 @@ def test_allocator_limit_follows_jaxs_settings() -> None:
 
 def recorded_limit(record: str, hw: str) -> tuple[scheduler_limit.SchedulerLimit, float]:
     """A compile `plan --compile` budgeted from the allocator's limit, as the GPU would, and its total."""
-    compiled = json.loads((RESULTS / f"{record}.json").read_text())["compiled"]
-    limit = recorded_scheduler_limit(compiled, deviceless.device_memory_bytes(hardware.profile(hw)))
+    limit, run = _limit_and_run(record, hw)
     assert limit.passed_memory, record  # a record of a compile given the allocator's limit
-    return limit, compiled["device_total_bytes"]
+    return limit, run["compiled"]["device_total_bytes"]
 
 
 def test_a_step_past_the_allocator_does_not_fit_and_gets_a_smaller_budget_to_try() -> None:
@@ -136,9 +140,8 @@ def test_a_step_near_the_allocators_end_is_told_how_close() -> None:
 def test_a_step_at_its_budget_is_not_told_to_take_a_larger_one() -> None:
     """The FP8 proxy compiled to its allocator's limit: temporaries 3% past the budget, what XLA's
     rematerialization kept it to. The plan's memory would need a larger budget, which is no way to keep to it."""
-    run = json.loads((RESULTS / "plan_compile_deviceless_proxy_fp8_allocator_limit_2026-12-04.json").read_text())
-    limit, _ = recorded_limit("plan_compile_deviceless_proxy_fp8_allocator_limit_2026-12-04", "h200")
-    planned = run["planned"]["memory_per_gpu_bytes"]
+    limit, planned = limit_of("plan_compile_deviceless_proxy_fp8_allocator_limit_2026-12-04", "h200")
+    assert limit.passed_memory  # a record of a compile given the allocator's limit
     assert limit.slop_for(planned) > limit.slop_percent
     verdict = limit.verdict(planned)
     assert verdict.startswith("at it") and "slop_factor" not in verdict
