@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax._src import dispatch
+from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
@@ -64,9 +65,16 @@ class _Residuals:
     empty: tuple[jax.ShapeDtypeStruct, ...]
 
 
-def opaque_vjp(f: Callable[..., jax.Array], num_diff: int) -> Callable[..., jax.Array]:
+def opaque_vjp(
+    f: Callable[..., jax.Array], num_diff: int, residual_name: str | None = None
+) -> Callable[..., jax.Array]:
     """`f(*args)` (one array out), differentiable in its first `num_diff` arguments (the rest get no gradient,
-    e.g. integer group sizes), with its forward and its backward each bound as one primitive."""
+    e.g. integer group sizes), with its forward and its backward each bound as one primitive.
+
+    `residual_name`: the remat name of the residuals the forward hands the backward. Names given inside `f`
+    (TE's quantizer checkpoint names) are traced only when the primitive is lowered, where no remat policy
+    sees them; without a name here a policy of names recomputes the whole forward in the backward pass.
+    """
 
     def pullback(*args: jax.Array) -> tuple[jax.Array, Any]:
         rest = args[num_diff:]
@@ -97,6 +105,8 @@ def opaque_vjp(f: Callable[..., jax.Array], num_diff: int) -> Callable[..., jax.
 
         def opaque_fwd(*a: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...]]:
             y, *kept_leaves = _call_p.bind(*a, fn=forward)
+            if residual_name is not None:
+                kept_leaves = [checkpoint_name(leaf, residual_name) for leaf in kept_leaves]
             return y, tuple(kept_leaves)
 
         def opaque_bwd(kept_leaves: tuple[jax.Array, ...], g: jax.Array) -> tuple[jax.Array | None, ...]:

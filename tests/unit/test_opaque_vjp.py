@@ -137,3 +137,25 @@ def test_unwrapped_the_same_step_still_crashes_xla() -> None:
     """The upstream bug `opaque_vjp` works around, in pinned JAX 0.11.2 (on XLA:CPU too). When this fails,
     JAX compiles it: remove `opaque_vjp` and this test (JAX 0.12.0.1 does, docs/UPSTREAM.md)."""
     assert _child("compile_unwrapped").returncode == -11  # SIGSEGV
+
+
+def _forward_calls(residual_name: str | None, policy_names: tuple[str, ...]) -> tuple[int, jax.Array]:
+    """Forward units of an opaque call in the gradient of a checkpointed function, and that gradient."""
+    inner = lambda x, w: jnp.sin(x) @ w  # noqa: E731  (its backward reads sin(x) and w)
+    call = opaque_vjp(inner, 2, residual_name)
+    policy = jax.checkpoint_policies.save_only_these_names(*policy_names)
+    x, w = jax.random.normal(jax.random.key(0), (8, 4)), jax.random.normal(jax.random.key(1), (4, 3))
+    grad = jax.grad(jax.checkpoint(lambda x, w: jnp.sum(call(x, w) * 0.5), policy=policy), (0, 1))
+    calls = str(jax.make_jaxpr(grad)(x, w)).count("maxtext_moe_opaque_call")
+    return calls, grad(x, w)
+
+
+def test_named_residuals_spare_the_backward_a_second_forward() -> None:
+    """Names inside the wrapped function are traced only at lowering, where no remat policy sees them: with
+    `residual_name` saved by the policy the forward runs once (forward + backward units); without it the
+    backward pass runs the forward again."""
+    saved, g_saved = _forward_calls("operands", ("operands",))
+    unnamed, g_unnamed = _forward_calls(None, ("operands",))
+    assert (saved, unnamed) == (2, 3)
+    for a, b in zip(g_saved, g_unnamed, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
