@@ -37,6 +37,10 @@ from maxtext_moe.upstream.opaque_vjp import opaque_vjp
 FP8_GROUP_ALIGN = 16
 # MXFP8 scales cover 32-element blocks and TE tiles them 128 rows at a time: groups padded to 128 rows.
 MXFP8_GROUP_ALIGN = 128
+# The remat name of what TE's FP8 grouped GEMM keeps for its backward pass: the transposed FP8 casts of its
+# input and weights, and their scales. A policy that saves it spares the backward pass the permutation and
+# the casts of every expert GEMM (`upstream/remat.py`).
+FP8_OPERANDS = "moe_fp8_operands"
 
 
 def group_align(fp8: Fp8) -> int:
@@ -108,7 +112,9 @@ def _te_fp8(
         bwd_dtype=jnp.float8_e4m3fn if mxfp8 else jnp.float8_e5m2,
         n_groups=w.shape[0],
     )
-    gemm = opaque_vjp(lambda xp, wp, sizes: dense.grouped_dense(xp, wp, sizes, quantizer_set=quantizers), 2)
+    gemm = opaque_vjp(
+        lambda xp, wp, sizes: dense.grouped_dense(xp, wp, sizes, quantizer_set=quantizers), 2, FP8_OPERANDS
+    )
     if groups_aligned:
         return gemm(x_sorted, w, group_sizes).astype(x_sorted.dtype)
     return aligned(gemm, x_sorted, w, group_sizes, group_align(mode)).astype(x_sorted.dtype)

@@ -67,9 +67,11 @@ def expand_reduce(
     weight = jnp.take(row_weights.reshape(-1).astype(jnp.float32), s.index, mode="fill", fill_value=0)
     with jax.named_scope(scopes.PERMUTE):
         x_sorted = _spread(x, src, back)
-    out = expert_mlp(x_sorted, experts, s.group_sizes, path, partial=s.partial, groups_aligned=s.aligned)
+    out = expert_mlp(
+        x_sorted, experts, s.group_sizes, path, partial=s.partial, groups_aligned=s.aligned, row_weights=weight
+    )
     with jax.named_scope(scopes.UNPERMUTE):
-        y = _combine(out, weight, back, src)
+        y = _combine(out, back, src)
     return y, jnp.sum(valid, dtype=jnp.int32)
 
 
@@ -97,22 +99,19 @@ _spread.defvjp(_spread_fwd, _spread_bwd)
 
 
 @jax.custom_vjp
-def _combine(out: jax.Array, weight: jax.Array, back: jax.Array, src: jax.Array) -> jax.Array:
-    """Each received row's weighted sum of its copies' outputs [M, D], in float32, returned in out's dtype:
-    out [P, D] and weight [P] by copy, `back` [M, S] each slot's copy. The gradients are gathers by `src`."""
-    summed = _rows_of_slots(out, back).astype(jnp.float32) * _rows_of_slots(weight, back)[..., None]
-    return jnp.sum(summed, axis=1).astype(out.dtype)
+def _combine(out: jax.Array, back: jax.Array, src: jax.Array) -> jax.Array:
+    """Each received row's sum of its copies' outputs [M, D] (already weighted: `expert_mlp` applies the
+    routing weights before wo), in float32, returned in out's dtype: out [P, D] by copy, `back` [M, S] each
+    slot's copy. The gradient is a gather by `src`, and keeps no output of the forward pass."""
+    return jnp.sum(_rows_of_slots(out, back).astype(jnp.float32), axis=1).astype(out.dtype)
 
 
-def _combine_fwd(out: jax.Array, weight: jax.Array, back: jax.Array, src: jax.Array) -> tuple[jax.Array, tuple]:
-    return _combine(out, weight, back, src), (out, weight, src)
+def _combine_fwd(out: jax.Array, back: jax.Array, src: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return _combine(out, back, src), src
 
 
-def _combine_bwd(res: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array, None, None]:
-    out, weight, src = res
-    g_rows = jnp.take(g, src, axis=0, mode="fill", fill_value=0).astype(jnp.float32)
-    g_out = (g_rows * weight[:, None]).astype(out.dtype)
-    return g_out, jnp.sum(g_rows * out.astype(jnp.float32), axis=1), None, None
+def _combine_bwd(src: jax.Array, g: jax.Array) -> tuple[jax.Array, None, None]:
+    return jnp.take(g, src, axis=0, mode="fill", fill_value=0), None, None
 
 
 _combine.defvjp(_combine_fwd, _combine_bwd)

@@ -43,13 +43,16 @@ ATTENTION_EFFICIENCY = 0.41
 # row: set by the EP2 rungs at ragged_buffer_factor -1, 1.25 and 1.1 (proxy_h200_2gpu_run1[0-3]_*.json).
 EMPTY_ROW_COST = 0.79
 # FP8 expert GEMMs: seconds per element of the tensors quantized per routed copy (input and hidden
-# activation forward, their gradients backward: 2 x (emb + moe_mlp)); TE's unfused cast/transpose passes.
+# activation forward, their gradients backward, and the forward's two again in the backward pass unless the
+# layer keeps its FP8 operands, `memory.keeps_fp8_operands`: 3 x (emb + moe_mlp), or 2 x); TE's unfused
+# cast/transpose passes. Fitted as 1.0e-11 an element of 2 x (emb + moe_mlp) on rungs that all cast again in
+# the backward pass; that is 6.7e-12 an element of the 3 x they cast.
 # Set by every FP8 rung (proxy_h200_1gpu_*fp8*.json, 2gpu_run9_*fp8*), refitted with the four rungs of the
 # scatter-free group scales (upstream/te_group_scales.py; proxy_h200_1gpu_2026-12-01_night_*.json, planned
 # 8-9% slow at 1.2e-11). Rungs recorded before them paid TE's per-group amax scatters in some calls (up to 135
 # ms a step, docs/PERFORMANCE.md) and planned 1-3% fast at 1.2e-11; this value minimises the squared relative
 # error over all rungs.
-QUANTIZE_S_PER_ELEMENT = 1.0e-11
+QUANTIZE_S_PER_ELEMENT = 1.0e-11 * 2 / 3
 # Routing, permute and unpermute (sort, gather, scatter, top-k) per routed (token, expert) copy per MoE
 # layer, by block: MaxText's sparse_matmul sorts and scatters through XLA, ours runs its own permutation.
 # TE's block (`te_moe_block`, no proxy rung) permutes in TE's fused kernels and is priced as ours. The
@@ -186,7 +189,7 @@ def _recompute(m: Model, lay: Layout) -> Recompute:
     which no preset saves. In a scanned loop with XLA's dynamic-slice fusion on, every saved expert GEMM of
     TE runs twice in the forward (`moe/ours-te` turns the fusion off; on one H200, minimal remat, batch 4:
     0.817 s a step scanned against 0.714 s unrolled, `proxy_h200_1gpu_run6_ours_b4_minimal_scanned_hlo.json`)."""
-    r = lay.remat
+    r = lay.placement
     up, down = m.n_up * m.emb, m.emb
     dense = [
         ("query_proj", m.layers * m.q_weights * 2),
@@ -201,7 +204,7 @@ def _recompute(m: Model, lay: Layout) -> Recompute:
     if not lay.dedup_dispatch and lay.remat_name != "custom" and r["moe_mlpwi_0"] != "remat":
         rerun += 2 * m.emb * experts
     if lay.dedup_dispatch and lay.moe_path == "te" and lay.scanned and lay.slice_fusion:
-        rerun += sum(v for name, v in grouped if r[name] != "remat")
+        rerun += sum(v for name, v in grouped if r[name] in ("device", "offload"))
     return Recompute(
         gemm=sum(v for name, v in dense if r[name] == "remat"),
         grouped=rerun,
@@ -231,7 +234,8 @@ def _compute_seconds(f: flops.Flops, m: Model, lay: Layout, rec: Recompute) -> f
     buffer = expert_rows_computed(m, lay)
     rows = 1 + EMPTY_ROW_COST * (buffer - 1)
     copies = routed_copies(m, lay)
-    quantize = copies * buffer * 2 * (m.emb + m.moe_mlp) * QUANTIZE_S_PER_ELEMENT if lay.expert_fp8 else 0.0
+    passes = 2 if memory.keeps_fp8_operands(lay) else 3
+    quantize = copies * buffer * passes * (m.emb + m.moe_mlp) * QUANTIZE_S_PER_ELEMENT if lay.expert_fp8 else 0.0
     dense_efficiency = DENSE_FP8_GEMM_EFFICIENCY if lay.dense_fp8 else DENSE_GEMM_EFFICIENCY
     xla_sort = not lay.dedup_dispatch and lay.moe_path != "te"
     permute = copies * PERMUTE_S_PER_COPY["maxtext" if xla_sort else "ours"]

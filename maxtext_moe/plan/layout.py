@@ -87,9 +87,17 @@ class Layout:
     offload_optimizer: bool
     offload_params: bool
     dedup_dispatch: bool  # EP sends a token once per destination rank (our block), not once per expert
+    weights_before_wo: bool  # our block scales each routed copy before wo: no backward pass reads wo's output
     dense_exchange: bool  # ours over XLA's plain all-to-all: one block of T rows to every peer (moe.exchange auto)
     scanned: bool  # MaxText's scan_layers: one loop over the layers, whose backward carries the stacked gradients
     slice_fusion: bool  # XLA's dynamic-slice fusion, which runs a scanned loop's saved TE GEMMs twice
+
+    @property
+    def placement(self) -> dict[str, str]:
+        """`remat`, with the tensors no backward pass reads marked "unread": saved by no policy and recomputed
+        by none. The routed wo output is one in our block (`moe/layer.py`); MaxText's blocks weight the
+        outputs after wo, and the weights' gradient reads them."""
+        return self.remat | ({"moe_mlpwo": "unread"} if self.weights_before_wo else {})
 
     @property
     def tokens(self) -> float:
@@ -268,6 +276,7 @@ def from_recipe(r: ResolvedRecipe, gpus: int | None = None, gpu_type: str | None
         offload_optimizer=bool(r.effective("optimizer_memory_host_offload")),
         offload_params=bool(r.effective("parameter_memory_host_offload")),
         dedup_dispatch=moe.ours,
+        weights_before_wo=moe.ours,
         scanned=bool(r.effective("scan_layers")),
         slice_fusion=r.slice_fusion,
         dense_exchange=moe.ours and moe.exchange_impl == "all_to_all",

@@ -86,11 +86,26 @@ def tensor_sizes(m: Model, lay: Layout, moe: bool) -> dict[str, float]:
     return {k: s / lay.tp for k, s in sizes.items()}
 
 
-def _working_set(sizes: dict[str, float], remat: dict[str, str]) -> float:
+def _working_set(sizes: dict[str, float], placement: dict[str, str]) -> float:
     """Elements per token live while one layer runs backward: the gradient of every tensor, plus the value of
-    each tensor not kept in HBM (recomputed, or brought back from host). Under full remat that is two
-    copies of everything; a saved tensor is already counted with the saved activations."""
-    return sum(sizes.values()) + sum(s for t, s in sizes.items() if remat[t] != "device")
+    each tensor recomputed or brought back from host. Under full remat that is two copies of everything; a
+    saved tensor is already counted with the saved activations, and an unread one has no value to bring."""
+    return sum(sizes.values()) + sum(s for t, s in sizes.items() if placement[t] not in ("device", "unread"))
+
+
+def keeps_fp8_operands(lay: Layout) -> bool:
+    """Whether each MoE layer keeps its FP8 expert operands from the forward pass for the backward
+    (`upstream/remat.py`): our block with FP8 experts, under a policy that names the wo output to save on the
+    device (which our block never keeps: the operands take its place)."""
+    return lay.weights_before_wo and lay.expert_fp8 and "device" in (lay.remat["mlpwo"], lay.remat["moe_mlpwo"])
+
+
+def fp8_operand_bytes(m: Model, lay: Layout, tokens: float) -> float:
+    """Bytes one MoE layer keeps of its FP8 expert operands: the transposed casts of the permuted input and of
+    the activation (one byte per element of each routed copy) and of the three local expert weights."""
+    rows = tokens * rows_per_token(lay, m)
+    weights = 3 * (m.experts // lay.ep) * m.emb * m.moe_mlp
+    return (rows * (m.emb + m.moe_mlp) + weights) / lay.tp
 
 
 UNROLLED_GRADIENTS = "gradients (beyond the activations freed before them)"
@@ -185,15 +200,17 @@ def per_gpu(m: Model, lay: Layout) -> Memory:
     saved_dev = saved_host = 0.0
     for moe, n in stage.items():
         sizes = tensor_sizes(m, lay, moe)
-        saved_dev += n * (m.emb / lay.tp + sum(s for t, s in sizes.items() if lay.remat[t] in in_hbm))
-        saved_host += n * sum(s for t, s in sizes.items() if lay.remat[t] == "offload")
-    working = max(_working_set(tensor_sizes(m, lay, moe), lay.remat) for moe in (False, True))
+        saved_dev += n * (m.emb / lay.tp + sum(s for t, s in sizes.items() if lay.placement[t] in in_hbm))
+        saved_host += n * sum(s for t, s in sizes.items() if lay.placement[t] == "offload")
+    working = max(_working_set(tensor_sizes(m, lay, moe), lay.placement) for moe in (False, True))
     experts_per_rank = m.experts // lay.ep
     gathered = max(m.layer_weights(moe, experts_per_rank) for moe in (False, True)) / lay.tp
     logits = tokens * m.vocab / lay.tp / lay.vocab_tiling * (act + 4 * LOGIT_FP32_COPIES)
 
     device = dict(state)
     device["saved activations (remat policy)"] = stage_tokens * saved_dev * act
+    if keeps_fp8_operands(lay):
+        device["saved activations (remat policy)"] += stage[True] * fp8_operand_bytes(m, lay, stage_tokens)
     device["layer working set (recompute + MoE dispatch)"] = micro_tokens * working * act
     copies = LAYER_WEIGHT_COPIES if lay.fsdp > 1 or lay.scanned else 0
     device[WEIGHT_COPIES] = gathered * lay.weight_bytes * copies
@@ -202,7 +219,9 @@ def per_gpu(m: Model, lay: Layout) -> Memory:
     if lay.scanned:
         _scanned_peak(device, lay, routed_expert_bytes)
     else:
-        moe_saved = m.emb / lay.tp + sum(s for t, s in tensor_sizes(m, lay, True).items() if lay.remat[t] == "device")
+        moe_saved = m.emb / lay.tp + sum(
+            s for t, s in tensor_sizes(m, lay, True).items() if lay.placement[t] == "device"
+        )
         layer_saved = 0.0 if _layer_has_collectives(lay) else micro_tokens * moe_saved * act
         _unrolled_peak(device, layer_saved)
     if lay.grad_accum > 1:

@@ -248,8 +248,7 @@ def _run(
             from maxtext_moe.upstream import skip_nonfinite
 
             skip_nonfinite.install()
-        if resolved.attention["residuals"] == "save":
-            remat.install()
+        remat.install(attention_residuals=resolved.attention["residuals"] == "save")
         if resolved.attention["kernel"] == "fa3":
             from maxtext_moe.upstream import fa3_attention
 

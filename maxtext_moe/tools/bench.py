@@ -63,6 +63,9 @@ class BenchResult:
     profile: dict[str, Any] | None = None  # tools.profile summary of two warm-up steps (--profile)
     device_memory_limit_gib: float | None = None  # what XLA's allocator had: the planner's usable memory
     env: dict[str, str] = dataclasses.field(default_factory=dict)  # the recipe's process environment
+    # Where the routed block applies the routing weights: "before wo" (ours, `moe/layer.py`: no wo output kept
+    # for the backward) or "after wo" (MaxText's); the planner's memory depends on it. None: not recorded.
+    routing_weights: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -254,6 +257,7 @@ def run(
         profile=_profile(bench_recipe, flops, tokens / devices) if profile else None,
         device_memory_limit_gib=_device_memory_gib("bytes_limit"),
         env=dict(resolved.env),
+        routing_weights="before wo" if resolved.moe_settings.ours else "after wo",
     )
 
 

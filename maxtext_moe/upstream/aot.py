@@ -104,8 +104,7 @@ def compile_step(request: dict[str, Any]) -> dict[str, Any]:
             from maxtext_moe.upstream import deepseek_layer
 
             deepseek_layer.install(settings)
-        if request["attention"].get("residuals") == "save":
-            remat.install()
+        remat.install(attention_residuals=request["attention"].get("residuals") == "save")
         if request["attention"].get("kernel") == "fa3":
             from maxtext_moe.upstream import fa3_attention
 

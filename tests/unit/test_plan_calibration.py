@@ -9,6 +9,7 @@ with those keys as overrides, as a user would, and compare.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -19,7 +20,7 @@ from conftest import one_accumulation_step, recorded_scheduler_limit
 from maxtext_moe import cli
 from maxtext_moe.moe.settings import MoeSettings
 from maxtext_moe.plan import scheduler_limit
-from maxtext_moe.plan.estimate import Plan, estimate
+from maxtext_moe.plan.estimate import Plan, estimate, evaluate
 from maxtext_moe.recipe import maxtext_keys, moe_checks
 from maxtext_moe.upstream import deviceless
 
@@ -127,7 +128,15 @@ def measured_runs() -> list[tuple[str, dict]]:
 
 
 def planned(result: dict) -> Plan:
-    return estimate(cli.resolve(result["recipe"], overrides(result)))
+    """The plan of the code a record ran: our block weighted the routed copies after wo (its backward then read
+    wo's output) in every record that does not say where it weights them (`bench`'s `routing_weights`)."""
+    resolved = cli.resolve(result["recipe"], overrides(result))
+    plan = estimate(resolved)
+    if not plan.layout.weights_before_wo or result.get("routing_weights") == "before wo":
+        return plan
+    lay = dataclasses.replace(plan.layout, weights_before_wo=False)
+    groups = int(resolved.effective("n_routing_groups")), int(resolved.effective("topk_routing_group"))
+    return evaluate(resolved.name, plan.model, lay, *groups)
 
 
 def check(measured: dict[str, float], predicted: dict[str, float], gaps: dict[str, str], unit: str) -> None:

@@ -16,6 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import Primitive, jaxprs_in_params
 from jax.interpreters import mlir
 
+from maxtext_moe.moe.gemm import FP8_OPERANDS
 from maxtext_moe.upstream import remat
 
 # A stand-in for JAX's cuDNN forward primitive: the same name, two outputs (the output and statistics).
@@ -77,16 +78,38 @@ def test_policy_decides_whether_the_backward_reruns_the_attention_forward(keep: 
 
 
 def test_install_wraps_maxtexts_policy(monkeypatch: pytest.MonkeyPatch) -> None:
-    """After `install`, MaxText's decoder returns its own policy's decisions plus the attention outputs."""
+    """After `install`, MaxText's decoder returns its own policy's decisions plus the attention outputs (when
+    asked) and, where it saves the expert GEMM outputs, our FP8 expert operands; a second call replaces the
+    first instead of wrapping it again."""
     from maxtext.layers.nnx_decoders import NNXDecoder
 
     monkeypatch.setattr(NNXDecoder, "get_remat_policy", NNXDecoder.get_remat_policy)
-    remat.install()
-    remat.install()  # once only: a second call does not wrap twice
-    assert NNXDecoder.get_remat_policy.keeps_attention_residuals
-    for name, saved in (("minimal", {"mlpwo"}), ("full", set())):
-        decoder = types.SimpleNamespace(config=types.SimpleNamespace(remat_policy=name))
+    names = ("mlpwo", "context", FP8_OPERANDS)
+    for attention, policy_name, saved in (
+        (True, "minimal", {"mlpwo", FP8_OPERANDS}),
+        (True, "full", set()),
+        (False, "minimal", {"mlpwo", FP8_OPERANDS}),
+    ):
+        remat.install(attention_residuals=attention)
+        decoder = types.SimpleNamespace(config=types.SimpleNamespace(remat_policy=policy_name))
         decoder.minimal_policy = functools.partial(NNXDecoder.minimal_policy, decoder)
         policy = NNXDecoder.get_remat_policy(decoder)
-        assert {n for n in ("mlpwo", "context") if policy(name_p, name=n)} == saved
-        assert policy(_fwd_p) is True
+        assert {n for n in names if policy is not None and policy(name_p, name=n)} == saved
+        assert (policy is not None and policy(_fwd_p) is True) == attention
+
+
+def test_fp8_operands_are_kept_only_where_the_wo_output_would_be() -> None:
+    """Only a policy that saves the wo output keeps the FP8 operands in its place: full remat, and policies that
+    keep the up-projections alone or offload the wo output, recompute them."""
+    minimal = remat.keep_expert_fp8_operands(jax.checkpoint_policies.save_only_these_names("moe_mlpwo"))
+    assert minimal(name_p, name=FP8_OPERANDS) is True and minimal(name_p, name="moe_mlpwo") is True
+    assert remat.keep_expert_fp8_operands(None) is None
+    up_only = jax.checkpoint_policies.save_only_these_names("moe_mlpwi_0", "moe_mlpwi_1")
+    assert remat.keep_expert_fp8_operands(up_only) is up_only
+    offload = jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[],
+        names_which_can_be_offloaded=["moe_mlpwo"],
+        offload_src="device",
+        offload_dst="pinned_host",
+    )
+    assert remat.keep_expert_fp8_operands(offload) is offload
