@@ -14,7 +14,7 @@ from maxtext_moe.plan import estimate, fit
 from maxtext_moe.upstream import maxtext_errors
 
 PROXY = "deepseek3-proxy-h200-1gpu"
-LONG = ["max_target_length=8192", "per_device_batch_size=4"]  # 131.2 GiB planned, 123.0 usable
+LONG = ["max_target_length=8192", "per_device_batch_size=5"]  # 132.2 GiB planned, 123.0 usable
 XLA_OOM = "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 80.95GiB."
 
 
@@ -48,25 +48,26 @@ def test_out_of_memory_becomes_the_plans_figure_and_layouts_that_fit() -> None:
     assert "\n" not in text
     assert text.startswith(
         "the GPU ran out of memory (XLA: Out of memory while trying to allocate 80.95GiB); the planner puts "
-        f"{PROXY} (1 device on 1 h200, batch 4/device x seq 8192, remat minimal) at 131.2 GiB per GPU of 123.0 "
+        f"{PROXY} (1 device on 1 h200, batch 5/device x seq 8192, remat minimal) at 132.2 GiB per GPU of 123.0 "
         "GiB usable on h200: it does not fit. Fix: nearest layouts that fit, as overrides to add: "
     )
     assert isinstance(e.__cause__, RuntimeError)  # --traceback still shows XLA's error
     suggested = re.findall(r"`([^`]+)` \(([\d.]+) GiB", text.split("Fix: ")[1])
     assert len(suggested) == fit.SUGGESTIONS
-    assert {"per_device_batch_size=2", "memory=full-remat"} <= {overrides for overrides, _ in suggested}
+    assert "per_device_batch_size=2" in {overrides for overrides, _ in suggested}
+    assert any("memory=full-remat" in overrides for overrides, _ in suggested)
     for overrides, gib in suggested:  # each, pasted as it is, fits in `plan` at the figure the line gave
         planned = estimate(resolve(PROXY, [*LONG, *overrides.split()]))
         assert planned.fits and f"{planned.memory.device_total / 2**30:.1f}" == gib
-        assert float(gib) <= 131.2 * fit.HEADROOM
+        assert float(gib) <= 132.2 * fit.HEADROOM
 
 
 def test_a_layout_the_plan_fits_gets_layouts_with_room_below_it() -> None:
-    """The recipe as shipped plans 111.5 of 123 GiB; had it run out, suggestions keep 10% below its figure."""
+    """The recipe as shipped plans 100.3 of 123 GiB; had it run out, suggestions keep 10% below its figure."""
     text = str(_explained(PROXY, []))
-    assert "at 111.5 GiB per GPU of 123.0 GiB usable on h200: it fits by the plan, which is an estimate" in text
-    for a in fit.nearest(PROXY, [], resolve(PROXY, []), 111.5 * fit.HEADROOM):
-        assert a.plan.memory.device_total / 2**30 <= 111.5 * fit.HEADROOM
+    assert "at 100.3 GiB per GPU of 123.0 GiB usable on h200: it fits by the plan, which is an estimate" in text
+    for a in fit.nearest(PROXY, [], resolve(PROXY, []), 100.3 * fit.HEADROOM):
+        assert a.plan.memory.device_total / 2**30 <= 100.3 * fit.HEADROOM
 
 
 def test_other_errors_and_cpu_recipes_keep_their_own_error() -> None:
@@ -82,9 +83,9 @@ def test_the_warning_before_compiling(capsys: pytest.CaptureFixture[str]) -> Non
     line = fit.warning(PROXY, LONG, resolve(PROXY, LONG))
     assert line is not None and "\n" not in line
     assert line.startswith(
-        f"warning: the planner puts {PROXY} (1 device on 1 h200, batch 4/device x seq 8192, remat minimal) at "
-        "131.2 GiB per GPU of 123.0 GiB usable on h200: XLA will likely run out of memory once it has compiled; "
-        "nearest layouts that fit, as overrides to add: `memory=full-remat` (101.5 GiB"
+        f"warning: the planner puts {PROXY} (1 device on 1 h200, batch 5/device x seq 8192, remat minimal) at "
+        "132.2 GiB per GPU of 123.0 GiB usable on h200: XLA will likely run out of memory once it has compiled; "
+        "nearest layouts that fit, as overrides to add: `per_device_batch_size=4` (116.3 GiB"
     )
     assert fit.warning(PROXY, [], resolve(PROXY, [])) is None  # fits
     assert fit.warning("deepseek3-tiny-cpu", [], resolve("deepseek3-tiny-cpu", [])) is None  # CPU: no GPU memory
