@@ -69,7 +69,7 @@ def keep_expert_fp8_operands(policy: Policy | None) -> Policy | None:
 
 def install(attention_residuals: bool) -> None:
     """Make every remat policy MaxText's NNX decoder builds from now on in this process keep our FP8 expert
-    operands where it keeps the expert GEMM outputs, and flash attention's forward outputs when
+    operands where it would keep the wo GEMM's output, and flash attention's forward outputs when
     `attention_residuals` (what `get_remat_policy` returns is what its layers checkpoint with). A later call
     replaces the earlier one's choice."""
     from maxtext.layers.nnx_decoders import NNXDecoder
@@ -82,4 +82,6 @@ def install(attention_residuals: bool) -> None:
         return keep_attention_residuals(policy) if attention_residuals else policy
 
     NNXDecoder.get_remat_policy = get_remat_policy
-    log.info("remat: FP8 expert operands kept with the expert outputs; attention outputs kept: %s", attention_residuals)
+    log.info(
+        "remat: FP8 expert operands kept in the wo output's place; attention outputs kept: %s", attention_residuals
+    )

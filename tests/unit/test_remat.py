@@ -79,8 +79,8 @@ def test_policy_decides_whether_the_backward_reruns_the_attention_forward(keep: 
 
 def test_install_wraps_maxtexts_policy(monkeypatch: pytest.MonkeyPatch) -> None:
     """After `install`, MaxText's decoder returns its own policy's decisions plus the attention outputs (when
-    asked) and, where it saves the expert GEMM outputs, our FP8 expert operands; a second call replaces the
-    first instead of wrapping it again."""
+    asked) and, where it saves the wo GEMM's output, our FP8 expert operands; a second call replaces the first
+    instead of wrapping it again."""
     from maxtext.layers.nnx_decoders import NNXDecoder
 
     monkeypatch.setattr(NNXDecoder, "get_remat_policy", NNXDecoder.get_remat_policy)
