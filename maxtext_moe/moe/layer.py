@@ -135,7 +135,9 @@ def expert_mlp(
     and `moe_mlpwi_0`; wi_1: `moe_mlpwi_1`; wo: `mlpwo` and `moe_mlpwo`), so one `remat_policy` saves or
     offloads the same tensors with either block, on one device or under expert parallelism. wi_1 also
     carries `mlpwi_1`, which MaxText's path leaves off: without it `remat_policy: minimal` (which saves
-    `mlpwi_0`, `mlpwi_1`, `mlpwo`) recomputes the wi_1 grouped GEMM in the backward pass.
+    `mlpwi_0`, `mlpwi_1`, `mlpwo`) recomputes the wi_1 grouped GEMM in the backward pass. No backward pass
+    reads wo's output (the weights come before wo); a policy that would save it keeps the FP8 operands instead
+    (`upstream/remat.py`).
     `partial`: the groups may end before the last row (see `grouped_matmul`). An FP8 path pads the groups
     once for the three GEMMs, unless the caller already has (`groups_aligned`, as `expert_mlp_on_copies`).
     `row_weights` [M] (float32, None: 1) is each row's routing weight, applied before wo (see the module).
