@@ -23,6 +23,7 @@ import numpy as np
 
 from maxtext_moe.errors import UserError
 from maxtext_moe.moe import scopes
+from maxtext_moe.moe.align import take_rows
 from maxtext_moe.moe.layer import Params, expert_mlp, sort_by_expert, sorted_copies
 from maxtext_moe.moe.send_plan import DispatchPlan
 from maxtext_moe.moe.settings import ExpertPath
@@ -64,7 +65,7 @@ def expand_reduce(
     copies = s.index.shape[0]
     src = s.index // slots  # the received row of each sorted copy; `rows` (past the end) for a padding row
     back = jnp.where(valid, s.back, copies).reshape(rows, slots)  # each slot's sorted copy; `copies` if none
-    weight = jnp.take(row_weights.reshape(-1).astype(jnp.float32), s.index, mode="fill", fill_value=0)
+    weight = take_rows(row_weights.reshape(-1).astype(jnp.float32), s.index, back.reshape(-1))  # 0 for padding
     with jax.named_scope(scopes.PERMUTE):
         x_sorted = _spread(x, src, back)
     out = expert_mlp(

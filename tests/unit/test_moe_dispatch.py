@@ -448,3 +448,23 @@ def test_capped_expert_copies_shrink_the_te_gemms_and_keep_the_result(monkeypatc
     for a, b in zip(jax.tree.leaves(grads_cap), jax.tree.leaves(grads_all), strict=True):
         assert rel(a, b) < 1e-6
     assert rel(run(valid - 1)[0], y_all) > 1e-4
+
+
+def test_the_receive_sides_gradient_sums_nothing_by_a_scatter() -> None:
+    """Every gradient of the receive side, the routing weights' included, is a gather by the slot -> copy map:
+    the backward pass adds no scatter to those of the forward (the expert count's bincount)."""
+    rows, slots, local = 48, 4, 8
+    experts = {
+        n: init_params(jax.random.key(30), CFG, jnp.float32)["MoeBlock_0"][n][:local] for n in ("wi_0", "wi_1", "wo")
+    }
+    ks = jax.random.split(jax.random.key(33), 4)
+    row_experts = jax.random.randint(ks[0], (rows, slots), -1, local)
+    row_weights = jax.random.uniform(ks[1], (rows, slots))
+    x = jax.random.normal(ks[2], (rows, CFG.emb_dim))
+
+    def loss(x, w, e):
+        return jnp.sum(receive.expand_reduce(x, row_experts, w, e, ExpertPath())[0] ** 2)
+
+    forward = str(jax.make_jaxpr(loss)(x, row_weights, experts)).count("scatter")
+    backward = str(jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(x, row_weights, experts)).count("scatter")
+    assert forward >= 1 and backward == forward
