@@ -197,12 +197,13 @@ def per_gpu(m: Model, lay: Layout) -> Memory:
     # (deviceless compiles of the GB200 recipe at 5 and 9 layers, docs/PLAN.md: +2.8 GiB per MoE layer against
     # +0.9 with full remat). A scanned loop copies inside its body, which frees the HBM copy.
     in_hbm = ("device",) if lay.scanned else ("device", "offload")
+    placement = lay.placement
     saved_dev = saved_host = 0.0
     for moe, n in stage.items():
         sizes = tensor_sizes(m, lay, moe)
-        saved_dev += n * (m.emb / lay.tp + sum(s for t, s in sizes.items() if lay.placement[t] in in_hbm))
-        saved_host += n * sum(s for t, s in sizes.items() if lay.placement[t] == "offload")
-    working = max(_working_set(tensor_sizes(m, lay, moe), lay.placement) for moe in (False, True))
+        saved_dev += n * (m.emb / lay.tp + sum(s for t, s in sizes.items() if placement[t] in in_hbm))
+        saved_host += n * sum(s for t, s in sizes.items() if placement[t] == "offload")
+    working = max(_working_set(tensor_sizes(m, lay, moe), placement) for moe in (False, True))
     experts_per_rank = m.experts // lay.ep
     gathered = max(m.layer_weights(moe, experts_per_rank) for moe in (False, True)) / lay.tp
     logits = tokens * m.vocab / lay.tp / lay.vocab_tiling * (act + 4 * LOGIT_FP32_COPIES)
@@ -219,9 +220,7 @@ def per_gpu(m: Model, lay: Layout) -> Memory:
     if lay.scanned:
         _scanned_peak(device, lay, routed_expert_bytes)
     else:
-        moe_saved = m.emb / lay.tp + sum(
-            s for t, s in tensor_sizes(m, lay, True).items() if lay.placement[t] == "device"
-        )
+        moe_saved = m.emb / lay.tp + sum(s for t, s in tensor_sizes(m, lay, True).items() if placement[t] == "device")
         layer_saved = 0.0 if _layer_has_collectives(lay) else micro_tokens * moe_saved * act
         _unrolled_peak(device, layer_saved)
     if lay.grad_accum > 1:
