@@ -157,8 +157,10 @@ def expert_mlp(
         groups_aligned=groups_aligned,
     )
     with jax.named_scope(scopes.EXPERTS):
-        h0 = checkpoint_name(checkpoint_name(gmm(x_sorted, experts["wi_0"]), "mlpwi_0"), "moe_mlpwi_0")
-        h1 = checkpoint_name(checkpoint_name(gmm(x_sorted, experts["wi_1"]), "mlpwi_1"), "moe_mlpwi_1")
+        h = gmm(x_sorted, jnp.concatenate([experts["wi_0"], experts["wi_1"]], axis=-1))
+        h0, h1 = jnp.split(h, 2, axis=-1)
+        h0 = checkpoint_name(checkpoint_name(h0, "mlpwi_0"), "moe_mlpwi_0")
+        h1 = checkpoint_name(checkpoint_name(h1, "mlpwi_1"), "moe_mlpwi_1")
         act = jax.nn.silu(h0.astype(jnp.float32)) * h1.astype(jnp.float32)
         if row_weights is not None:
             act = act * row_weights.astype(jnp.float32)[:, None]
