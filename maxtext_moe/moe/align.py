@@ -6,8 +6,13 @@ padding rows must be counted inside `group_sizes`. TE's own permutation `align_s
 which that path rejects. So the padding is done here, as zero rows at the end of each group: the GEMM of a
 zero row is a zero row, which `unpad_rows` drops, so no token is dropped and the result is unchanged.
 
+No group is left empty: one with no rows gets `align` zero rows. TE 2.20.2's per-group FP8 GEMM skips an
+empty group's scale on the row side (its quantize stores scales for the non-empty groups only) but not on the
+weight side (every expert's weights have a scale), so each expert after an empty one would run with its
+neighbour's weight scale (tests/gpu/test_moe_gpu.py shows it).
+
 Shapes are static (jit): the padded buffer has `padded_rows(M, G, align)` rows, the worst case
-M + G * (align - 1) rounded up to a multiple of `align`. The slack rows beyond the aligned groups are
+M + G * align rounded up to a multiple of `align`. The slack rows beyond the aligned groups are
 counted in the last group, so the padded sizes sum to exactly the buffer's rows (what TE's own permutation
 hands its grouped GEMM) and every size stays a multiple of `align`. Rows of `x` after the last group (the
 expert-parallel receive side sorts its empty slots there) are left out, and come back as zeros.
@@ -36,8 +41,9 @@ class GroupAlignment(NamedTuple):
 
 
 def padded_rows(rows: int, groups: int, align: int) -> int:
-    """Static size of the padded buffer: the worst case `rows + groups * (align - 1)`, rounded up to `align`."""
-    return -(-(rows + groups * (align - 1)) // align) * align
+    """Static size of the padded buffer: the worst case `rows + groups * align` (a group of one row or none
+    takes `align`), rounded up to `align`."""
+    return -(-(rows + groups * align) // align) * align
 
 
 def align_groups(group_sizes: jax.Array, rows: int, align: int) -> GroupAlignment:
@@ -47,7 +53,7 @@ def align_groups(group_sizes: jax.Array, rows: int, align: int) -> GroupAlignmen
     sizes = group_sizes.astype(jnp.int32)
     groups = sizes.shape[0]
     total = padded_rows(rows, groups, align)
-    aligned = (sizes + align - 1) // align * align
+    aligned = jnp.maximum((sizes + align - 1) // align * align, align)
     aligned = aligned.at[-1].add(total - jnp.sum(aligned))  # the slack joins the last group (a multiple of align)
     starts = jnp.cumsum(sizes) - sizes
     padded_starts = jnp.cumsum(aligned) - aligned
