@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from maxtext_moe.errors import UserError
 from maxtext_moe.moe.align import aligned
-from maxtext_moe.moe.settings import BACKENDS, FP8_MODES, Backend, Fp8
+from maxtext_moe.moe.settings import BACKENDS, FP8_MODES, Backend, Fp8, Fp8Cast
 from maxtext_moe.upstream import te, te_group_scales
 from maxtext_moe.upstream.opaque_vjp import opaque_vjp
 
@@ -92,7 +92,13 @@ def select_te_grouped_gemm_path(requested: str = "auto") -> TePath:
 
 
 def _te_fp8(
-    dense: ModuleType, x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array, mode: Fp8, groups_aligned: bool
+    dense: ModuleType,
+    x_sorted: jax.Array,
+    w: jax.Array,
+    group_sizes: jax.Array,
+    mode: Fp8,
+    groups_aligned: bool,
+    cast: Fp8Cast = "te",
 ) -> jax.Array:
     """TE's `grouped_dense` with FP8 operands: per-tensor current scaling (the amax of this call, E4M3 forward
     and E5M2 gradients; no scaling state to keep), or MXFP8 (E4M3 with one power-of-two scale per 32
@@ -100,12 +106,13 @@ def _te_fp8(
 
     The dtypes are given explicitly: built from the scaling mode alone, TE's quantizer set does not run
     on Hopper. Groups are padded around the call (`align.aligned`) to the rows the mode needs, unless the
-    caller has padded them (`groups_aligned`).
+    caller has padded them (`groups_aligned`). `cast`: who casts the operands under current scaling (TE's
+    grouped quantize, or XLA: `upstream/te_group_scales.py`).
     """
     quantize = importlib.import_module("transformer_engine.jax.quantize")
     mxfp8 = mode == "mxfp8"
     if not mxfp8:
-        te_group_scales.install()
+        te_group_scales.install(cast)
     quantizers = quantize.QuantizerFactory.create_set(
         scaling_mode=quantize.ScalingMode.MXFP8_1D_SCALING if mxfp8 else quantize.ScalingMode.CURRENT_TENSOR_SCALING,
         fwd_dtype=jnp.float8_e4m3fn,
@@ -129,6 +136,7 @@ def grouped_matmul(
     *,
     partial: bool = False,
     groups_aligned: bool = False,
+    fp8_cast: Fp8Cast = "te",
 ) -> jax.Array:
     """[M, K] rows sorted by group, [G, K, N] weights, [G] int32 sizes -> [M, N] in `x_sorted.dtype`.
 
@@ -141,6 +149,7 @@ def grouped_matmul(
     `_tail_guarded`. With the default the caller promises they sum to M (the one-device layer).
     `groups_aligned=True`: the caller has padded every group to `group_align(fp8)` rows and the groups cover
     all M rows, so an FP8 GEMM needs no padding of its own (several GEMMs on the same rows pad them once).
+    `fp8_cast`: who casts the operands under current scaling ("te" or "xla", see `_te_fp8`).
     """
     if fp8 not in FP8_MODES:
         raise UserError(f"unknown FP8 mode {fp8!r} for the expert GEMMs.", fix=f"choose one of {', '.join(FP8_MODES)}.")
@@ -157,7 +166,7 @@ def grouped_matmul(
     group_sizes = group_sizes.astype(jnp.int32)
     w = w.astype(x_sorted.dtype)
     if partial and backend != "ragged_dot":
-        return _tail_guarded(x_sorted, w, group_sizes, backend, fp8)
+        return _tail_guarded(x_sorted, w, group_sizes, backend, fp8, fp8_cast)
     if backend == "ragged_dot":
         return jax.lax.ragged_dot(x_sorted, w, group_sizes, preferred_element_type=x_sorted.dtype)
     if backend == "tokamax":
@@ -176,12 +185,14 @@ def grouped_matmul(
         dense, _ = te.import_te()
         select_te_grouped_gemm_path()
         if fp8 != "none":
-            return _te_fp8(dense, x_sorted, w, group_sizes, fp8, groups_aligned)
+            return _te_fp8(dense, x_sorted, w, group_sizes, fp8, groups_aligned, fp8_cast)
         return opaque_vjp(dense.grouped_dense, 2)(x_sorted, w, group_sizes).astype(x_sorted.dtype)
     raise UserError(f"unknown grouped-GEMM backend {backend!r}.", fix=f"choose one of {', '.join(BACKENDS)}.")
 
 
-def _tail_guarded(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array, backend: Backend, fp8: Fp8) -> jax.Array:
+def _tail_guarded(
+    x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array, backend: Backend, fp8: Fp8, fp8_cast: Fp8Cast
+) -> jax.Array:
     """The grouped GEMM when the groups end before row M: rows past them give zero outputs and take zero
     gradients, as `jax.lax.ragged_dot` defines it, whatever the kernel does with them.
 
@@ -195,5 +206,5 @@ def _tail_guarded(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array, bac
     x_sorted = jnp.where(tail[:, None], 0, x_sorted)
     if backend == "te":
         group_sizes = group_sizes.at[-1].add(x_sorted.shape[0] - jnp.sum(group_sizes))
-    out = grouped_matmul(x_sorted, w, group_sizes, backend, fp8)
+    out = grouped_matmul(x_sorted, w, group_sizes, backend, fp8, fp8_cast=fp8_cast)
     return jnp.where(tail[:, None], 0, out)

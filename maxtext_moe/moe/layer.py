@@ -155,6 +155,7 @@ def expert_mlp(
         fp8=path.fp8,
         partial=partial,
         groups_aligned=groups_aligned,
+        fp8_cast=path.fp8_cast,
     )
     with jax.named_scope(scopes.EXPERTS):
         h = gmm(x_sorted, jnp.concatenate([experts["wi_0"], experts["wi_1"]], axis=-1))

@@ -20,6 +20,8 @@ Block = Literal["maxtext", "ours"]
 Backend = Literal["ragged_dot", "tokamax", "te"]
 TeGemmPath = Literal["auto", "v1", "v2"]  # requested; gemm.TePath is the one chosen
 Fp8 = Literal["none", "current_scaling", "mxfp8"]
+# Who casts the expert operands to FP8 under current scaling: TE's grouped quantize, or XLA (`te_group_scales`).
+Fp8Cast = Literal["te", "xla"]
 Exchange = Literal["auto", "all_to_all", "ragged_all_to_all", "nccl_ep"]
 # How one EP exchange is computed: the recipe's `exchange` resolved ("auto" is "all_to_all"), or the
 # all_gather emulation that the CPU reference runs under `vmap`. "nccl_ep" is TE's NCCL EP dispatch and
@@ -39,6 +41,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "gemm": ("te", "tokamax", "ragged_dot"),
     "te_gemm_path": get_args(TeGemmPath),
     "fp8": FP8_MODES,
+    "fp8_cast": get_args(Fp8Cast),
     "exchange": get_args(Exchange),
     "dispatch_chunks": (1, 2, 4),
 }
@@ -77,6 +80,7 @@ class MoeSettings:
     gemm: Backend = "ragged_dot"
     te_gemm_path: TeGemmPath = "auto"
     fp8: Fp8 = "none"
+    fp8_cast: Fp8Cast = "te"
     exchange: Exchange = "auto"
     dispatch_chunks: int = 1
     seq_balance_loss_weight: float = 0.0
@@ -192,6 +196,14 @@ class MoeSettings:
                     source=sources.get("fp8"),
                     fix="use moe.fp8: current_scaling on Hopper (per-tensor FP8, which it runs).",
                 )
+        if self.fp8_cast != "te" and self.fp8 != "current_scaling":
+            raise UserError(
+                f"is {self.fp8_cast}, which casts the expert operands of TE's per-tensor current scaling, and "
+                f"moe.fp8 is {self.fp8}.",
+                key="moe.fp8_cast",
+                source=sources.get("fp8_cast"),
+                fix="set moe.fp8: current_scaling, or remove moe.fp8_cast.",
+            )
         if self.exchange in GPU_EXCHANGES and hw.maxtext_hardware != "gpu":
             runs = "XLA implements" if self.exchange == "ragged_all_to_all" else "NCCL (through TE) runs"
             raise UserError(
@@ -248,6 +260,7 @@ class ExpertPath:
 
     backend        grouped-GEMM kernel (`gemm.grouped_matmul`)
     fp8            FP8 expert GEMMs ("current_scaling", "mxfp8": backend te only)
+    fp8_cast       who casts the operands under current scaling: TE's grouped quantize or XLA
     exchange       how an EP exchange runs (`exchange.exchange`), or "nccl_ep" (`nccl_ep.routed`)
     buffer_factor  EP receive buffer, MaxText's `ragged_buffer_factor` (<= 0: the dropless worst case)
     dedup          send a token once per destination rank (ours), not once per chosen expert (MaxText's)
@@ -266,6 +279,7 @@ class ExpertPath:
     dispatch_chunks: int = 1
     axis_name: str = EP_AXIS
     own_adjoint: bool = True
+    fp8_cast: Fp8Cast = "te"
 
     @classmethod
     def of(cls, settings: MoeSettings, buffer_factor: float = -1.0) -> ExpertPath:
@@ -276,6 +290,7 @@ class ExpertPath:
             settings.exchange_impl,
             buffer_factor,
             dispatch_chunks=settings.dispatch_chunks,
+            fp8_cast=settings.fp8_cast,
         )
 
 

@@ -24,8 +24,10 @@ Each module names the gap it fills. `SYMBOLS` lists what they touch, so that one
 - `maxtext_config`: `pyconfig._initialize_pydantic`, MaxText's config model without its `sys.exit`.
 - `maxtext_errors`: unwraps the error `max_utils.transformer_engine_context` turns into a re-yield.
 - `te`: TE's `_v2_grouped_gemm_available` flag (grouped-GEMM path) and its JAX bindings.
-- `te_group_scales`: wraps TE's `grouped_quantize` so that current scaling's per-group scales come without its
-  scatters, handed to TE through its delayed-scaling quantizers (`DelayedScaleQuantizer`, `GroupedQuantizer`).
+- `te_group_scales`: wraps TE's `grouped_quantize`: current scaling cast by XLA into TE's grouped FP8 layout
+  (`ScaledTensorFactory`, `compute_scale_from_amax`), or for the largest tensors with per-group scales found
+  without its scatters, handed to TE through its delayed-scaling quantizers (`DelayedScaleQuantizer`,
+  `GroupedQuantizer`).
 - `aot`: `train_compile.get_shaped_inputs` and `jit_and_compile`, the step and its shardings, and MaxText's
   `create_device_mesh`, to compile the training step for devices that are not here (JAX's mock GPU topology).
 - `maxtext_params`: `models.transformer_as_linen` and `maxtext_utils.get_abstract_param`, the parameter tree
@@ -117,5 +119,6 @@ SYMBOLS: tuple[tuple[str, str, str], ...] = (
     ("transformer-engine-jax", "transformer_engine.jax.quantize", "DelayedScaleQuantizer"),
     ("transformer-engine-jax", "transformer_engine.jax.quantize", "GroupedQuantizer"),
     ("transformer-engine-jax", "transformer_engine.jax.quantize", "compute_scale_from_amax"),
+    ("transformer-engine-jax", "transformer_engine.jax.quantize", "ScaledTensorFactory.create"),
     ("transformer-engine-jax", "transformer_engine.jax.quantize.device_utils", "get_device_compute_capability"),
 )

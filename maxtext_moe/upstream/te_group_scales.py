@@ -1,17 +1,21 @@
-"""TE's grouped FP8 quantize under current scaling, with each group's scale found without a scatter.
+"""TE's grouped FP8 quantize under current scaling, done by XLA, with each group's scale found without a scatter.
 
-The gap: TE 2.20.2's `grouped_quantize` with current scaling finds each group's amax with `jnp.repeat` (a
-scatter-add over every row, for the rows' group ids) and `jax.ops.segment_max` (a scatter-max of every row
-into G slots). XLA fuses our permutation's gather and the rows' |x| max into that scatter, one thread per
-row. On one H200 those fusions took 104-135 ms of some FP8 proxy steps and none of others, with the same
-code (docs/PERFORMANCE.md). Rows reach TE sorted by group, so the same amax is a masked max over the rows:
-one reduction, no atomics, and no scatter left in the step for XLA to fuse that way. TE's quantize takes
-given per-group scales only through its delayed-scaling quantizers (the cast kernel is the same; the mode
-says where the scales came from, and TE's grouped GEMM treats both tensor-scaling modes alike), so `install`
-wraps `grouped_quantize`: for current scaling it computes the scales current scaling would (TE's own
-`compute_scale_from_amax` on the same amax) and hands them to TE's quantize as delayed-scaling state. The
-FP8 data and scales equal TE's current scaling (tests/gpu/test_te_group_scales_gpu.py); every other mode goes
-to TE's function unchanged.
+The gaps, in TE 2.20.2's `grouped_quantize` (the per-group path its Hopper FP8 grouped GEMM takes):
+- Its C++ call copies the group sizes to the host and synchronises the stream, then launches one cast kernel
+  per group: the GPU runs dry at each of the casts of an expert layer (four a layer forward and backward).
+- It finds each group's amax with `jnp.repeat` (a scatter-add over every row, for the rows' group ids) and
+  `jax.ops.segment_max` (a scatter-max of every row into G slots). XLA fuses our permutation's gather and the
+  rows' |x| max into that scatter, one thread per row. On one H200 those fusions took 104-135 ms of some FP8
+  proxy steps and none of others, with the same code (docs/PERFORMANCE.md).
+Rows reach TE sorted by group, so the amax is a masked max over the rows (`group_amax`: one reduction, no
+atomics), and the cast is elementwise: `xla_cast` computes the scales TE's current scaling would (TE's own
+`compute_scale_from_amax`), casts the rows with them, and lays out the column-wise copy as TE's quantize does
+(each group's rows transposed, `ragged_transpose`), as arrays XLA schedules with the rest of the step, no
+host round trip; it hands TE's grouped GEMM the same FP8 bytes and scales as TE's quantize
+(tests/gpu/test_te_group_scales_gpu.py). Tensors of 2^31 elements or more (past the uint32 arithmetic of the
+layout) go to TE's cast with the scatter-free scales (`scatter_free`), handed to TE through its
+delayed-scaling quantizers (the cast kernel is the same; TE's grouped GEMM treats both tensor-scaling modes
+alike). Every other mode goes to TE's function unchanged.
 
 Process-wide once installed (TE's backward rules call `grouped_quantize` while JAX transposes the step, after
 our layer's code has returned), which is harmless: values are unchanged for every caller.
@@ -24,6 +28,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 EXTENSIONS = "transformer_engine.jax.cpp_extensions"
 QUANTIZE = "transformer_engine.jax.quantize"
@@ -83,8 +88,90 @@ def scatter_free(grouped_quantize: Callable) -> Callable:
     return quantize
 
 
-def install() -> None:
-    """Route TE's grouped current-scaling quantize through `scatter_free`, once per process."""
+def row_groups(group_sizes: jax.Array, rows: int) -> jax.Array:
+    """The group of each of `rows` rows sorted by group ([rows] int32; rows past the groups: the last)."""
+    ends = jnp.cumsum(group_sizes)
+    g = jnp.searchsorted(ends, jnp.arange(rows), side="right", method="compare_all")
+    return jnp.minimum(g, group_sizes.shape[0] - 1).astype(jnp.int32)
+
+
+def ragged_transpose(q: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """[M, n] rows sorted by group -> [M * n]: each group's [m_g, n] block transposed to [n, m_g], the blocks one
+    after another (the column-wise layout TE's per-group GEMM reads for a weight gradient).
+
+    One plain transpose, then a gather whose reads run along the transposed rows: output element l of group g
+    (its block starting at row s) is the transpose's element (l // m_g, s + l % m_g). Index arithmetic is uint32
+    (`xla_cast` sends tensors of 2^31 elements or more to TE's cast)."""
+    m, n = q.shape
+    g = row_groups(group_sizes, m)
+    sizes = group_sizes.astype(jnp.uint32)
+    start = (jnp.cumsum(sizes) - sizes)[g][:, None]
+    size = jnp.maximum(sizes[g], 1)[:, None]
+    local = (jax.lax.broadcasted_iota(jnp.uint32, (m, n), 0) - start) * n + jax.lax.broadcasted_iota(
+        jnp.uint32, (m, n), 1
+    )
+    # source (k, s + l - k * m_g) of the [n, M] transpose, flattened with k read once, so that XLA computes
+    # the indices inside the gather's kernel instead of writing them out
+    source = local // size * (m - size) + start + local
+    qt = jax.lax.optimization_barrier(q.T)  # a transpose kernel of its own, not strided reads inside the gather
+    return qt.reshape(-1).at[source.reshape(-1)].get(mode="promise_in_bounds", unique_indices=True)
+
+
+def xla_cast(grouped_quantize: Callable) -> Callable:
+    """`grouped_quantize` with current scaling done by XLA; tensors of 2^31 elements or more go to TE's cast
+    with `scatter_free` scales, other modes to TE's function unchanged."""
+    q = importlib.import_module(QUANTIZE)
+    current = q.ScalingMode.CURRENT_TENSOR_SCALING
+    large = scatter_free(grouped_quantize)
+
+    def quantize(x, quantizer, group_sizes=None, flatten_axis=-1):
+        if quantizer is None or quantizer.scaling_mode != current or not isinstance(x, jax.Array):
+            return grouped_quantize(x, quantizer, group_sizes, flatten_axis)
+        if x.size >= 2**31:
+            return large(x, quantizer, group_sizes, flatten_axis)
+        axis = flatten_axis % x.ndim
+        m = x.size // int(np.prod(x.shape[axis:]))
+        amax = group_amax(x, group_sizes)
+        scale = jnp.concatenate(
+            [q.compute_scale_from_amax(amax[i : i + 1], quantizer.q_dtype, margin=0.0) for i in range(amax.shape[0])]
+        )
+        groups = amax.shape[0]
+        row_scale = jnp.repeat(scale, m // groups) if group_sizes is None else scale[row_groups(group_sizes, m)]
+        top = float(jnp.finfo(quantizer.q_dtype).max)
+        rows = x.reshape(m, -1).astype(jnp.float32) * row_scale[:, None]
+        data = jnp.clip(rows, -top, top).astype(quantizer.q_dtype)
+        if group_sizes is None:
+            colwise = jnp.swapaxes(data.reshape(groups, m // groups, -1), 1, 2).reshape(-1)
+            scale_inv = 1.0 / scale
+        else:
+            colwise = ragged_transpose(data, group_sizes)
+            # TE's quantize stores the scales of the non-empty groups only, in order, and its GEMM reads them so
+            scale_inv = (1.0 / scale)[jnp.argsort(group_sizes == 0, stable=True)]
+        layout = quantizer.q_layout
+        return q.ScaledTensorFactory.create(
+            data=data.reshape(-1) if layout.has_rowwise else jnp.zeros((1,), quantizer.q_dtype),
+            scale_inv=scale_inv,
+            colwise_data=colwise if layout.has_colwise else jnp.zeros((1,), quantizer.q_dtype),
+            colwise_scale_inv=scale_inv,
+            scaling_mode=quantizer.scaling_mode,
+            dq_dtype=x.dtype,
+            q_layout=layout,
+            data_layout=quantizer.get_data_layout(),
+            flatten_axis=flatten_axis,
+            first_dims=group_sizes,
+            original_shape=x.shape,
+        )
+
+    quantize.wrapped = grouped_quantize
+    return quantize
+
+
+def install(cast: str = "te") -> None:
+    """Route TE's grouped current-scaling quantize through `xla_cast` (`cast` "xla") or `scatter_free` ("te"),
+    from now on in this process."""
     extensions = importlib.import_module(EXTENSIONS)
-    if not hasattr(extensions.grouped_quantize, "wrapped"):
-        extensions.grouped_quantize = scatter_free(extensions.grouped_quantize)
+    current = extensions.grouped_quantize
+    if getattr(current, "cast", None) != cast:
+        wrap = {"xla": xla_cast, "te": scatter_free}[cast]
+        extensions.grouped_quantize = wrap(getattr(current, "wrapped", current))
+        extensions.grouped_quantize.cast = cast

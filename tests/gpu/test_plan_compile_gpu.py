@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -90,23 +91,34 @@ def test_deviceless_compile_of_the_bf16_proxy_budgets_from_the_allocator_as_the_
 
 @pytest.mark.gpu
 @NEEDS_PLUGIN
-def test_the_fp8_proxy_leaves_xla_only_the_bf16_output_heads_and_casts_no_expert_operand_twice(tmp_path: Path) -> None:
+@pytest.mark.parametrize("cast", ["te", "xla"])
+def test_the_fp8_proxy_leaves_xla_only_the_bf16_output_heads_and_casts_no_expert_operand_twice(
+    cast: str, tmp_path: Path
+) -> None:
     """Under TE's FP8 every GEMM of the step but the output heads' goes to TE, the MTP layer's too: XLA's own GEMMs
     are the main and the MTP output heads, forward and both gradients (tokens x vocabulary x hidden each). With
     the MTP layer built as MaxText builds it, its attention, shared expert and projection stayed XLA's BF16
     GEMMs: 158.4 TFLOP a step in the H200's compile, 166.1 deviceless.
-    Each MoE layer's grouped casts are its forward's five (input, activation, three weights) and its backward's
-    three gradients: the backward keeps the forward's FP8 operands under `minimal` (`upstream/remat.py`), where
-    it cast the four decoder MoE layers' five again (60 a step, against 40)."""
+    Each MoE layer runs two grouped GEMMs forward (wi_0 and wi_1 as one, wo) and four backward, and casts each
+    expert operand once: the backward keeps the forward's FP8 operands under `minimal` (`upstream/remat.py`).
+    With TE's casts, four grouped quantize calls forward (input, activation, the two weights) and two backward
+    (the gradients); with XLA's (`moe.fp8_cast: xla`), none, and the permuted input's column-wise copy
+    ([7168, rows] FP8) is written in the forward pass only."""
     dump = [f"xla_flags.xla_dump_to={tmp_path}", "xla_flags.xla_dump_hlo_as_text=true"]
     dump.append("xla_flags.xla_dump_hlo_module_re=jit_train_step")
-    result = compile_without_gpu("deepseek3-proxy-h200-1gpu-fp8", *dump)
+    result = compile_without_gpu("deepseek3-proxy-h200-1gpu-fp8", f"moe.fp8_cast={cast}", *dump)
     tokens, vocabulary, hidden = 8 * 4096, 32768, 7168  # the recipe's batch 8 of 4096 tokens
     heads = 2 * 3 * 2 * tokens * vocabulary * hidden
     assert heads <= result["remat_gemms"]["xla_gemm_flops"] < 1.01 * heads
     (hlo,) = tmp_path.glob("*jit_train_step*after_optimizations.txt")
+    text = hlo.read_text()
     moe_layers = 4 + 1  # the decoder's and the MTP layer's
-    assert hlo.read_text().count('custom_call_target="te_grouped_quantize_ffi"') == (5 + 3) * moe_layers
+    assert text.count('custom_call_target="te_grouped_gemm_ffi"') == (2 + 4) * moe_layers
+    quantize_calls = text.count('custom_call_target="te_grouped_quantize_ffi"')
+    assert quantize_calls == {"te": (4 + 2) * moe_layers, "xla": 0}[cast]
+    if cast == "xla":
+        transposed = [int(rows) for rows in re.findall(r"= f8e4m3fn\[7168,(\d+)\]\{1,0\} fusion\(", text)]
+        assert sum(rows >= 8 * tokens for rows in transposed) == moe_layers  # top-8 copies of every token, padded
 
 
 # The records these compiles are compared with are of one step of the per-device batch, unrolled; the recipes

@@ -1,5 +1,7 @@
-"""TE's grouped FP8 GEMM with current scaling, its per-group scales found by `te_group_scales` against TE's own
-quantize: the same outputs and gradients bit for bit, and no scatter left in the compiled step (needs a GPU)."""
+"""TE's grouped FP8 quantize with current scaling done by XLA (`te_group_scales.xla_cast`) against TE's own
+kernels: the same FP8 bytes and scales, the same grouped GEMM outputs and gradients bit for bit, and neither
+TE's quantize call nor a scatter left in the compiled step; the same for TE's cast with our scatter-free scales
+(`scatter_free`, what tensors of 2^31 elements or more take). Needs a GPU."""
 
 from __future__ import annotations
 
@@ -18,13 +20,51 @@ pytestmark = [
     pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs an NVIDIA GPU"),
 ]
 
+SIZES = [304, 0, 704, 128, 144, 496, 16, 2304]  # multiples of 16, one empty group
 
-def test_scatter_free_scales_equal_te_current_scaling(monkeypatch: pytest.MonkeyPatch) -> None:
+
+def te_own() -> object:
     extensions = importlib.import_module(te_group_scales.EXTENSIONS)
-    te_own = getattr(extensions.grouped_quantize, "wrapped", extensions.grouped_quantize)
+    return getattr(extensions.grouped_quantize, "wrapped", extensions.grouped_quantize)
+
+
+def as_bytes(a: jax.Array) -> np.ndarray:
+    return np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint8))
+
+
+@pytest.mark.parametrize("tensor", ["rows", "weights", "gradient"])
+def test_xla_cast_gives_te_bytes_and_scales(tensor: str) -> None:
+    q = importlib.import_module(te_group_scales.QUANTIZE)
+    quantizers = q.QuantizerFactory.create_set(
+        scaling_mode=q.ScalingMode.CURRENT_TENSOR_SCALING,
+        fwd_dtype=jnp.float8_e4m3fn,
+        bwd_dtype=jnp.float8_e5m2,
+        n_groups=len(SIZES),
+    )
+    sizes = jnp.array(SIZES, jnp.int32)
+    rows = jax.random.normal(jax.random.key(0), (sum(SIZES), 512)) * jnp.linspace(0.1, 30, sum(SIZES))[:, None]
+    weights = jax.random.normal(jax.random.key(1), (len(SIZES), 512, 256)) * jnp.arange(1, 9)[:, None, None]
+    x, quantizer, groups = {
+        "rows": (rows, quantizers.x, sizes),
+        "weights": (weights, quantizers.kernel, None),
+        "gradient": (rows, quantizers.dgrad, sizes),
+    }[tensor]
+    x = x.astype(jnp.bfloat16)
+    theirs = jax.jit(lambda x: te_own()(x, quantizer, groups))(x)
+    ours = jax.jit(lambda x: te_group_scales.xla_cast(te_own())(x, quantizer, groups))(x)
+    filled = int(np.count_nonzero(SIZES)) if groups is not None else len(SIZES)  # TE writes these scales only
+    for a, b in ((ours.rowwise_tensor, theirs.rowwise_tensor), (ours.colwise_tensor, theirs.colwise_tensor)):
+        np.testing.assert_array_equal(as_bytes(a.data), as_bytes(b.data))
+        np.testing.assert_array_equal(np.asarray(a.scale_inv)[:filled], np.asarray(b.scale_inv)[:filled])
+
+
+@pytest.mark.parametrize("wrapper", ["xla_cast", "scatter_free"])
+def test_grouped_gemm_with_our_casts_equals_te_current_scaling(wrapper: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """XLA's cast, and TE's cast with scales found without a scatter (what tensors too large for the first get)."""
+    extensions = importlib.import_module(te_group_scales.EXTENSIONS)
     x = jax.random.normal(jax.random.key(0), (4096, 512), jnp.bfloat16) * jnp.linspace(0.1, 30, 4096)[:, None]
     w = (jax.random.normal(jax.random.key(1), (8, 512, 256), jnp.bfloat16) / 16).astype(jnp.bfloat16)
-    sizes = jnp.array([304, 0, 704, 128, 144, 496, 16, 2304], jnp.int32)  # multiples of 16, one empty group
+    sizes = jnp.array(SIZES, jnp.int32)
 
     def step(x, w):
         def loss(x, w):
@@ -33,15 +73,17 @@ def test_scatter_free_scales_equal_te_current_scaling(monkeypatch: pytest.Monkey
 
         return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, w)
 
-    monkeypatch.setattr(te_group_scales, "install", lambda: None)
-    monkeypatch.setattr(extensions, "grouped_quantize", te_own)
+    monkeypatch.setattr(te_group_scales, "install", lambda cast="te": None)
+    monkeypatch.setattr(extensions, "grouped_quantize", te_own())
     theirs_hlo = jax.jit(step).lower(x, w).compile().as_text()
     (_, y_te), (dx_te, dw_te) = jax.jit(step)(x, w)
-    monkeypatch.setattr(extensions, "grouped_quantize", te_group_scales.scatter_free(te_own))
+    monkeypatch.setattr(extensions, "grouped_quantize", getattr(te_group_scales, wrapper)(te_own()))
     ours_hlo = jax.jit(lambda x, w: step(x, w)).lower(x, w).compile().as_text()
     (_, y), (dx, dw) = jax.jit(lambda x, w: step(x, w))(x, w)
 
-    assert " scatter(" in theirs_hlo and " scatter(" not in ours_hlo
+    assert "te_grouped_quantize_ffi" in theirs_hlo and " scatter(" in theirs_hlo
+    assert " scatter(" not in ours_hlo
+    assert ("te_grouped_quantize_ffi" in ours_hlo) == (wrapper == "scatter_free")
     for a, b in ((y, y_te), (dx, dx_te), (dw, dw_te)):
         assert np.isfinite(np.asarray(a, np.float32)).all()
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

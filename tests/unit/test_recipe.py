@@ -255,6 +255,7 @@ def test_moe_section_defaults_and_checks():
         "gemm": "ragged_dot",
         "te_gemm_path": "auto",
         "fp8": "none",
+        "fp8_cast": "te",
         "exchange": "auto",
         "dispatch_chunks": 1,
         "seq_balance_loss_weight": 0.0,
@@ -371,6 +372,17 @@ def test_moe_fp8_needs_te_and_fp8_hardware():
         TINY, "moe.impl=ours", "moe.fp8=current_scaling"
     )
     assert "moe.fp8: applies only to moe.impl: ours" in error_of(TINY, "moe.fp8=current_scaling")
+
+
+def test_moe_fp8_cast_applies_to_current_scaling_only():
+    proxy = "deepseek3-proxy-h200-1gpu"
+    r = compose_resolve(proxy, "moe.fp8=current_scaling", "moe.fp8_cast=xla")
+    assert r.moe["fp8_cast"] == "xla" and compose_resolve(proxy).moe["fp8_cast"] == "te"
+    assert (
+        "command line: moe.fp8_cast: is xla, which casts the expert operands of TE's per-tensor current scaling, "
+        "and moe.fp8 is none. Fix: set moe.fp8: current_scaling, or remove moe.fp8_cast."
+    ) in error_of(proxy, "moe.fp8_cast=xla")
+    assert "moe.fp8_cast: must be one of te, xla, got 'cuda'." in error_of(proxy, "moe.fp8_cast=cuda")
 
 
 def test_advice_names_the_scanned_te_step_whose_slice_fusion_runs_gemms_twice():
