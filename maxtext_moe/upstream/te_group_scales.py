@@ -2,7 +2,7 @@
 
 The gaps, in TE 2.20.2's `grouped_quantize` (the per-group path its Hopper FP8 grouped GEMM takes):
 - Its C++ call copies the group sizes to the host and synchronises the stream, then launches one cast kernel
-  per group: the GPU runs dry at each of the casts of an expert layer (four a layer forward and backward).
+  per group: the GPU runs dry at each cast of an expert layer (four forward, two backward).
 - It finds each group's amax with `jnp.repeat` (a scatter-add over every row, for the rows' group ids) and
   `jax.ops.segment_max` (a scatter-max of every row into G slots). XLA fuses our permutation's gather and the
   rows' |x| max into that scatter, one thread per row. On one H200 those fusions took 104-135 ms of some FP8
@@ -18,7 +18,8 @@ delayed-scaling quantizers (the cast kernel is the same; TE's grouped GEMM treat
 alike). Every other mode goes to TE's function unchanged.
 
 Process-wide once installed (TE's backward rules call `grouped_quantize` while JAX transposes the step, after
-our layer's code has returned), which is harmless: values are unchanged for every caller.
+our layer's code has returned), which is harmless: values are unchanged for every caller. A run asks for one
+cast (`moe.fp8_cast`); `install` with the other replaces the wrapper.
 """
 
 from __future__ import annotations
