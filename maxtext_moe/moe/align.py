@@ -9,7 +9,7 @@ zero row is a zero row, which `unpad_rows` drops, so no token is dropped and the
 No group is left empty: one with no rows gets `align` zero rows. TE 2.20.2's per-group FP8 GEMM skips an
 empty group's scale on the row side (its quantize stores scales for the non-empty groups only) but not on the
 weight side (every expert's weights have a scale), so each expert after an empty one would run with its
-neighbour's weight scale (tests/gpu/test_moe_gpu.py shows it).
+neighbour's weight scale (tests/gpu/test_moe_gpu.py checks each expert's output around an empty one).
 
 Shapes are static (jit): the padded buffer has `padded_rows(M, G, align)` rows, the worst case
 M + G * align rounded up to a multiple of `align`. The slack rows beyond the aligned groups are

@@ -68,7 +68,7 @@ def test_te_fp8_current_scaling_close_to_reference() -> None:
 def test_te_fp8_gemm_with_an_empty_expert_group_close_to_reference() -> None:
     """An expert that receives no rows leaves every other expert its own weight scale: the experts' weights
     differ in magnitude by 4x each, so a GEMM that ran with a neighbour's FP8 scale would be off by 4x (TE's
-    per-group FP8 GEMM does that after an empty group; `align.py` gives no group zero rows)."""
+    per-group FP8 GEMM does that after an empty group; `align.py` leaves no group empty)."""
     from maxtext_moe.moe import gemm
 
     sizes = jnp.array([60, 0, 100, 96], jnp.int32)
