@@ -46,6 +46,15 @@ def padded_rows(rows: int, groups: int, align: int) -> int:
     return -(-(rows + groups * align) // align) * align
 
 
+def row_groups(group_sizes: jax.Array, rows: int) -> jax.Array:
+    """The group of each of `rows` rows sorted by group ([rows] int32; rows past the groups: the last).
+
+    The search compares every row with the G group ends (one fused pass): JAX's default binary search is a loop
+    over every row. G is an expert count, small."""
+    g = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(rows), side="right", method="compare_all")
+    return jnp.minimum(g, group_sizes.shape[0] - 1).astype(jnp.int32)
+
+
 def align_groups(group_sizes: jax.Array, rows: int, align: int) -> GroupAlignment:
     """The padded layout of `rows` rows sorted by group with sizes `group_sizes` [G] (sum <= rows)."""
     if align < 1:
@@ -59,15 +68,12 @@ def align_groups(group_sizes: jax.Array, rows: int, align: int) -> GroupAlignmen
     padded_starts = jnp.cumsum(aligned) - aligned
 
     row = jnp.arange(rows, dtype=jnp.int32)
-    # The searches compare every row with the G group ends (one fused pass): JAX's default binary search is a
-    # loop over every row. G is an expert count, small.
-    g = jnp.searchsorted(jnp.cumsum(sizes), row, side="right", method="compare_all")  # G past the last group
-    inside = g < groups
-    g = jnp.minimum(g, groups - 1)
+    g = row_groups(sizes, rows)
+    inside = row < jnp.sum(sizes)
     dest = jnp.where(inside, padded_starts[g] + row - starts[g], total)
 
     slot = jnp.arange(total, dtype=jnp.int32)
-    pg = jnp.searchsorted(jnp.cumsum(aligned), slot, side="right", method="compare_all")  # < G: sizes sum to `total`
+    pg = row_groups(aligned, total)  # every slot is inside: the aligned sizes sum to `total`
     offset = slot - padded_starts[pg]
     src = jnp.where(offset < sizes[pg], starts[pg] + offset, rows)
     return GroupAlignment(aligned, src.astype(jnp.int32), dest.astype(jnp.int32))

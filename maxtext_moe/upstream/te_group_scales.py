@@ -31,6 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from maxtext_moe.moe.align import row_groups
+from maxtext_moe.moe.settings import Fp8Cast
+
 EXTENSIONS = "transformer_engine.jax.cpp_extensions"
 QUANTIZE = "transformer_engine.jax.quantize"
 
@@ -87,13 +90,6 @@ def scatter_free(grouped_quantize: Callable) -> Callable:
 
     quantize.wrapped = grouped_quantize
     return quantize
-
-
-def row_groups(group_sizes: jax.Array, rows: int) -> jax.Array:
-    """The group of each of `rows` rows sorted by group ([rows] int32; rows past the groups: the last)."""
-    ends = jnp.cumsum(group_sizes)
-    g = jnp.searchsorted(ends, jnp.arange(rows), side="right", method="compare_all")
-    return jnp.minimum(g, group_sizes.shape[0] - 1).astype(jnp.int32)
 
 
 def ragged_transpose(q: jax.Array, group_sizes: jax.Array) -> jax.Array:
@@ -167,7 +163,7 @@ def xla_cast(grouped_quantize: Callable) -> Callable:
     return quantize
 
 
-def install(cast: str = "te") -> None:
+def install(cast: Fp8Cast = "te") -> None:
     """Route TE's grouped current-scaling quantize through `xla_cast` (`cast` "xla") or `scatter_free` ("te"),
     from now on in this process."""
     extensions = importlib.import_module(EXTENSIONS)
