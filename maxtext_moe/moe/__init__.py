@@ -6,6 +6,7 @@
 - `gemm`: one grouped-GEMM interface over `jax.lax.ragged_dot`, tokamax and Transformer Engine.
 - `align`: the one row gather with a gather as its gradient (`take_rows`), and padding each expert's rows
   to a multiple of 16, as TE's FP8 grouped GEMM needs on Hopper.
+- `remat_names`: the remat names of the expert GEMM outputs, which the layer tags and the planner reads.
 - `layer`: the dropless single-device forward (route, sort, grouped GEMMs, unsort, combine, shared expert)
   and the one dropless check.
 - Expert parallelism with per-destination-rank deduplication, in four steps:

@@ -32,6 +32,7 @@ from maxtext_moe.errors import UserError
 from maxtext_moe.moe import balance, scopes
 from maxtext_moe.moe.align import align_groups, compose, pad_rows, take_rows, unpad_rows
 from maxtext_moe.moe.gemm import group_align, grouped_matmul
+from maxtext_moe.moe.remat_names import UP_OUTPUT, WO_OUTPUT
 from maxtext_moe.moe.routing import Routing, RoutingConfig, route
 from maxtext_moe.moe.settings import DEFAULT_PATH, ExpertPath
 
@@ -131,11 +132,9 @@ def expert_mlp(
 ) -> jax.Array:
     """SiLU-GLU experts on rows sorted by expert: wo(silu(wi_0 x) * wi_1 x * row_weights), one grouped GEMM each.
 
-    The GEMM outputs carry MaxText's remat names as its `sparse_matmul` path tags them (wi_0: `mlpwi_0`
-    and `moe_mlpwi_0`; wi_1: `moe_mlpwi_1`; wo: `mlpwo` and `moe_mlpwo`), so one `remat_policy` saves or
-    offloads the same tensors with either block, on one device or under expert parallelism. wi_1 also
-    carries `mlpwi_1`, which MaxText's path leaves off: without it `remat_policy: minimal` (which saves
-    `mlpwi_0`, `mlpwi_1`, `mlpwo`) recomputes the wi_1 grouped GEMM in the backward pass. No backward pass
+    wi_0 and wi_1 run as one grouped GEMM on their weights side by side. The GEMM outputs carry MaxText's remat
+    names (`remat_names.py`), so one `remat_policy` saves or offloads the same tensors with either block, on one
+    device or under expert parallelism; the up-projection's output is kept or recomputed whole. No backward pass
     reads wo's output (the weights come before wo); a policy that would save it keeps the FP8 operands instead
     (`upstream/remat.py`).
     `partial`: the groups may end before the last row (see `grouped_matmul`). An FP8 path pads the groups
@@ -159,14 +158,17 @@ def expert_mlp(
     )
     with jax.named_scope(scopes.EXPERTS):
         h = gmm(x_sorted, jnp.concatenate([experts["wi_0"], experts["wi_1"]], axis=-1))
+        for name in UP_OUTPUT:
+            h = checkpoint_name(h, name)
         h0, h1 = jnp.split(h, 2, axis=-1)
-        h0 = checkpoint_name(checkpoint_name(h0, "mlpwi_0"), "moe_mlpwi_0")
-        h1 = checkpoint_name(checkpoint_name(h1, "mlpwi_1"), "moe_mlpwi_1")
         act = jax.nn.silu(h0.astype(jnp.float32)) * h1.astype(jnp.float32)
         if row_weights is not None:
             act = act * row_weights.astype(jnp.float32)[:, None]
         act = act.astype(x_sorted.dtype)
-        return checkpoint_name(checkpoint_name(gmm(act, experts["wo"]), "mlpwo"), "moe_mlpwo")
+        out = gmm(act, experts["wo"])
+        for name in WO_OUTPUT:
+            out = checkpoint_name(out, name)
+        return out
 
 
 class SortedCopies(NamedTuple):

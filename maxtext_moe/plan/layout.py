@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from maxtext_moe.errors import UserError
+from maxtext_moe.moe.remat_names import up_output_placement
 from maxtext_moe.recipe.composition import suggest
 from maxtext_moe.recipe.hardware import PROFILES, Hardware, profile
 from maxtext_moe.recipe.resolved import ResolvedRecipe
@@ -87,17 +88,21 @@ class Layout:
     offload_optimizer: bool
     offload_params: bool
     dedup_dispatch: bool  # EP sends a token once per destination rank (our block), not once per expert
-    weights_before_wo: bool  # our block scales each routed copy before wo: no backward pass reads wo's output
+    weights_before_wo: bool  # our block: routed copies scaled before wo, up-projections kept as one tensor
     dense_exchange: bool  # ours over XLA's plain all-to-all: one block of T rows to every peer (moe.exchange auto)
     scanned: bool  # MaxText's scan_layers: one loop over the layers, whose backward carries the stacked gradients
     slice_fusion: bool  # XLA's dynamic-slice fusion, which runs a scanned loop's saved TE GEMMs twice
 
     @property
     def placement(self) -> dict[str, str]:
-        """`remat`, with the tensors no backward pass reads marked "unread": saved by no policy and recomputed
-        by none. The routed wo output is one in our block (`moe/layer.py`); MaxText's blocks weight the
-        outputs after wo, and the weights' gradient reads them."""
-        return self.remat | ({"moe_mlpwo": "unread"} if self.weights_before_wo else {})
+        """`remat` as our block meets it: the routed wo output is read by no backward pass ("unread": saved by
+        no policy and recomputed by none), since the block weights the copies before wo (MaxText's blocks after
+        it, and the weights' gradient reads the output); and the up-projections are one tensor placed by the
+        outermost of its names (`moe/remat_names.py`)."""
+        if not self.weights_before_wo:
+            return self.remat
+        up = up_output_placement(self.remat)
+        return self.remat | {"moe_mlpwo": "unread", "moe_mlpwi_0": up, "moe_mlpwi_1": up}
 
     @property
     def tokens(self) -> float:

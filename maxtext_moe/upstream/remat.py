@@ -28,6 +28,7 @@ from typing import Any
 from jax._src.ad_checkpoint import name_p
 
 from maxtext_moe.moe.gemm import FP8_OPERANDS
+from maxtext_moe.moe.remat_names import WO_OUTPUT
 from maxtext_moe.upstream import fa3_attention
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,6 @@ log = logging.getLogger(__name__)
 ATTENTION_FORWARD_PRIMITIVES = frozenset({"dot_product_attention_fwd_wrapper", "te_fused_attn_forward_ffi_wrapper"})
 
 Policy = Callable[..., Any]
-WO_OUTPUT_NAMES = ("mlpwo", "moe_mlpwo")  # what `layer.expert_mlp` names the wo GEMM's output
 
 
 def keep_attention_residuals(policy: Policy | None) -> Policy:
@@ -56,7 +56,7 @@ def keep_expert_fp8_operands(policy: Policy | None) -> Policy | None:
     """`policy`, saving our FP8 expert operands too where it would save the wo GEMM's output (named both
     `mlpwo`, which MaxText's `minimal` saves, and `moe_mlpwo`), which no backward pass of our block reads: the
     operands take its place. Unchanged elsewhere (full remat, offloaded or recomputed outputs)."""
-    if policy is None or not any(policy(name_p, name=n) is True for n in WO_OUTPUT_NAMES):
+    if policy is None or not any(policy(name_p, name=n) is True for n in WO_OUTPUT):
         return policy
 
     def saving(prim: Any, *args: Any, **params: Any) -> Any:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -190,3 +192,30 @@ def test_minimal_remat_recomputes_no_grouped_gemm() -> None:
     without_remat = grouped_gemms("no remat")
     assert grouped_gemms(nnx_decoders.NNXDecoder.minimal_policy(None)) == without_remat
     assert grouped_gemms(None) == without_remat + 2
+
+
+@pytest.mark.parametrize("where", ["device", "offload"])
+def test_policies_keep_the_up_projection_output_whole(where: str) -> None:
+    """wi_0 and wi_1 run as one GEMM: a policy that keeps their outputs (MaxText's `minimal` on the device, the
+    published policy's `moe_mlpwi_0/1: offload` in host memory) keeps that GEMM's output as one residual, not its
+    two halves, which XLA would copy out of it every step."""
+    from jax._src.ad_checkpoint import saved_residuals  # print_saved_residuals is its only public form
+    from maxtext.layers import nnx_decoders
+
+    policy = {
+        "device": nnx_decoders.NNXDecoder.minimal_policy(None),
+        "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[],
+            names_which_can_be_offloaded=["moe_mlpwi_0", "moe_mlpwi_1"],
+            offload_src="device",
+            offload_dst="pinned_host",
+        ),
+    }[where]
+    cfg = dataclasses.replace(CFG, moe_mlp_dim=24)  # no other tensor has 24 or 48 columns
+    params = init_params(jax.random.key(4), cfg, jnp.float32)
+    x = jax.random.normal(jax.random.key(5), (64, cfg.emb_dim))
+    loss = lambda p, x: jnp.sum(moe_forward(p, x, cfg, ExpertPath())[0] ** 2)  # noqa: E731
+    routed = x.shape[0] * cfg.routing.top_k
+    up = [str(aval) for aval, _ in saved_residuals(jax.checkpoint(loss, policy=policy), params, x)
+          if aval.ndim == 2 and aval.shape[-1] in (24, 48)]
+    assert up == [f"float32{'<host>' if where == 'offload' else ''}[{routed},48]"]

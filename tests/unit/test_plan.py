@@ -240,3 +240,13 @@ def test_scanned_te_recomputes_saved_expert_gemms_only_with_slice_fusion_on() ->
     )
     assert scanned.recompute_fraction == unrolled.recompute_fraction
     assert fused.recompute_fraction > scanned.recompute_fraction
+
+
+def test_our_block_places_its_up_projections_as_one_tensor() -> None:
+    """Our block keeps wi_0's and wi_1's outputs as one tensor: where a custom policy places the two apart, the
+    plan counts both where the layer keeps them (the outermost name not recomputed, `moe/remat_names.py`)."""
+    split = ["remat_policy=custom", "moe_mlpwi_0=device", "moe_mlpwi_1=offload"]
+    ours = layout.from_recipe(cli.resolve("deepseek3-proxy-h200-1gpu", split))
+    upstream = layout.from_recipe(cli.resolve("deepseek3-proxy-h200-1gpu", [*split, "moe.impl=maxtext"]))
+    assert (ours.placement["moe_mlpwi_0"], ours.placement["moe_mlpwi_1"]) == ("offload", "offload")
+    assert (upstream.placement["moe_mlpwi_0"], upstream.placement["moe_mlpwi_1"]) == ("device", "offload")
