@@ -24,7 +24,16 @@ from pathlib import Path
 from typing import Any
 
 from maxtext_moe.errors import UserError
-from maxtext_moe.plan import compile_route, exchange_overlap, layout, memory, peak, remat_gemms, scheduler_limit
+from maxtext_moe.plan import (
+    compile_route,
+    exchange_overlap,
+    layout,
+    memory,
+    memory_traffic,
+    peak,
+    remat_gemms,
+    scheduler_limit,
+)
 from maxtext_moe.plan.model import Model
 from maxtext_moe.recipe import composition, maxtext_keys, validate, xla_flags
 from maxtext_moe.recipe.resolved import ResolvedRecipe
@@ -175,6 +184,7 @@ class CompiledPlan:
     limit: scheduler_limit.SchedulerLimit | None = None  # XLA:GPU's scheduler budget, for the recipe's GPU kind
     exchange: exchange_overlap.ExchangeOverlap | None = None  # what runs inside each all-to-all (HLO dump)
     remat: remat_gemms.RematGemms | None = None  # GEMM work XLA recomputes to fit memory (HLO dump)
+    traffic: memory_traffic.MemoryTraffic | None = None  # bytes the memory-bound kernels move (HLO dump)
 
     @property
     def compiled_total(self) -> int:
@@ -211,6 +221,7 @@ class CompiledPlan:
             else None,
             "exchange_overlap": self.exchange.to_json() if self.exchange else None,
             "remat_gemms": self.remat.to_json() if self.remat else None,
+            "memory_traffic": self.traffic.to_json() if self.traffic else None,
         }
 
     def render(self) -> str:
@@ -242,6 +253,8 @@ class CompiledPlan:
             lines.append("  " + self.exchange.render())
         if self.remat:
             lines.append("  " + self.remat.render())
+        if self.traffic:
+            lines.append("  " + self.traffic.render())
         if self.at_peak:
             lines += ["  " + line for line in self.at_peak.render(top=10).splitlines()]
         elif self.peak_note:
@@ -269,7 +282,8 @@ def read_peak(r: ResolvedRecipe) -> tuple[peak.Peak | None, str]:
 
 def _from_dump[T](r: ResolvedRecipe, reader: Callable[[Path], T]) -> T | None:
     """What `reader` finds in the HLO dump the recipe's flags asked for (the step's all-to-alls and what XLA
-    scheduled inside them; the GEMM work it recomputes); None without a dump or with an unreadable one."""
+    scheduled inside them; the GEMM work it recomputes; the bytes its memory-bound kernels move); None without a
+    dump or with an unreadable one."""
     dump = _dump_dir(r)
     try:
         return reader(dump) if dump else None
@@ -310,4 +324,5 @@ def run(ref: str, overrides: Sequence[str], r: ResolvedRecipe, *, gpus_here: int
         limit,
         _from_dump(compiled, exchange_overlap.find),
         _from_dump(compiled, remat_gemms.find),
+        _from_dump(compiled, memory_traffic.find),
     )

@@ -1,13 +1,18 @@
 """Reading XLA's optimized-module text dump: which file holds the step, and its computations by name.
 
-Why a module: `exchange_overlap` (what XLA scheduled inside each all-to-all) and `remat_gemms` (the GEMM work
-XLA recomputes) read the same dump, split the same way; `tools/profile.py` finds the same file.
+Why a module: `exchange_overlap` (what XLA scheduled inside each all-to-all), `remat_gemms` (the GEMM work
+XLA recomputes) and `memory_traffic` (the bytes its memory-bound kernels move) read the same dump, split the same
+way; `tools/profile.py` finds the same file, and `peak` shares the command line of a dump reader.
 """
 
 from __future__ import annotations
 
+import argparse
 import re
+import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from maxtext_moe.errors import UserError
 
@@ -42,3 +47,21 @@ def computations(hlo: str) -> tuple[str, dict[str, str]]:
     if entry is None:
         raise UserError("the HLO text has no ENTRY computation.", fix="dump the optimized module as text.")
     return entry, {c.split(" ", 1)[0]: c for c in parts}
+
+
+def reader_main(
+    prog: str, doc: str, read: Callable[[Path, str], Any], argv: Sequence[str] | None, listed: str, top: int
+) -> int:
+    """The command line of a dump reader (`python -m maxtext_moe.plan.peak DIR`, ...): `read(DIR, module)`
+    rendered with its `top` largest `listed`; a UserError is one line and exit status 2."""
+    p = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
+    p.add_argument("dump_dir", type=Path, help="the folder given as xla_flags.xla_dump_to")
+    p.add_argument("--module", default="jit_train_step", help="the dumped module's name (default: jit_train_step)")
+    p.add_argument("--top", type=int, default=top, help=f"{listed} to list (default: {top})")
+    a = p.parse_args(argv)
+    try:
+        print(read(a.dump_dir, a.module).render(a.top))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0

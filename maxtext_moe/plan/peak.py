@@ -14,7 +14,6 @@ peak's buffers by shape and op name, largest first. Reading the dumps this way f
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 from collections import defaultdict
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from maxtext_moe.errors import UserError
+from maxtext_moe.plan.hlo_text import reader_main
 
 GIB = 2**30
 _VALUE = re.compile(r"value: <\d+ (\S+) @\d+> \(size=\d+,offset=\d+\): (\S+?)(?:\{[\d,]*\})?$", re.M)
@@ -109,17 +109,7 @@ def find_peak(dump_dir: Path, module: str = "jit_train_step") -> Peak:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m maxtext_moe.plan.peak", description=__doc__.split("\n\n")[0])
-    p.add_argument("dump_dir", type=Path, help="the folder given as xla_flags.xla_dump_to")
-    p.add_argument("--module", default="jit_train_step", help="the dumped module's name (default: jit_train_step)")
-    p.add_argument("--top", type=int, default=20, help="groups to list (default: 20)")
-    a = p.parse_args(argv)
-    try:
-        print(find_peak(a.dump_dir, a.module).render(a.top))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return reader_main("python -m maxtext_moe.plan.peak", __doc__, find_peak, argv, "groups", 20)
 
 
 if __name__ == "__main__":
