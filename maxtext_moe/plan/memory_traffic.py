@@ -32,6 +32,7 @@ _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _CALLED = re.compile(r"calls=(%[\w.\-]+)")
+_APPLIED = re.compile(r"to_apply=(%[\w.\-]+)")  # what a `call` instruction runs
 _WRAPPERS = re.compile(r"\b(?:transpose|jvp|checkpoint|jit)\(|[()]")
 # Instructions that move no data of their own, or not through HBM at a kernel's rate: bookkeeping, control flow,
 # and communication.
@@ -153,7 +154,7 @@ def analyse(text: str) -> MemoryTraffic:
                 trip = _TRIP.search(line)
                 walk(comps.get(body.group(1), ""), times * (int(trip.group(1)) if trip else 1))
             if opcode == "call":
-                for called in _CALLED.findall(rest):
+                for called in _APPLIED.findall(rest):
                     walk(comps.get(called, ""), times)
             if opcode in _SKIP or opcode.endswith(("-start", "-done", "-update")):
                 continue

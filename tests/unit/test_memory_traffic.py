@@ -72,3 +72,21 @@ def test_gpu_text_counts_fusions_copies_and_casts_and_leaves_gemms_out() -> None
     assert found.by_op == {"step sub": update, "unnamed copy": copy}
     assert found.cast_bytes == half + (64 * 32 + 4)  # TE's cast: BF16 in, FP8 and its scale out
     assert "XLA's fusions and copies 0.0 GB" in found.render() and "step sub" in found.render()
+
+
+CALL_TEXT = """HloModule jit_train_step
+
+%inner (a: f32[16,16]) -> f32[16,16] {
+  %a = f32[16,16]{1,0} parameter(0)
+  ROOT %c = f32[16,16]{1,0} copy(%a)
+}
+
+ENTRY %main (x: f32[16,16]) -> f32[16,16] {
+  %x = f32[16,16]{1,0} parameter(0)
+  ROOT %r = f32[16,16]{1,0} call(%x), to_apply=%inner
+}
+"""
+
+
+def test_what_a_call_runs_counts_once() -> None:
+    assert memory_traffic.analyse(CALL_TEXT).by_op == {"unnamed copy": 2 * 16 * 16 * 4}

@@ -216,6 +216,9 @@ def test_policies_keep_the_up_projection_output_whole(where: str) -> None:
     x = jax.random.normal(jax.random.key(5), (64, cfg.emb_dim))
     loss = lambda p, x: jnp.sum(moe_forward(p, x, cfg, ExpertPath())[0] ** 2)  # noqa: E731
     routed = x.shape[0] * cfg.routing.top_k
-    up = [str(aval) for aval, _ in saved_residuals(jax.checkpoint(loss, policy=policy), params, x)
-          if aval.ndim == 2 and aval.shape[-1] in (24, 48)]
+    up = [
+        str(aval)
+        for aval, _ in saved_residuals(jax.checkpoint(loss, policy=policy), params, x)
+        if aval.ndim == 2 and aval.shape[-1] in (24, 48)
+    ]
     assert up == [f"float32{'<host>' if where == 'offload' else ''}[{routed},48]"]
