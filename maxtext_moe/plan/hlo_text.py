@@ -20,6 +20,16 @@ COMPUTATION = re.compile(r"\n(?=%|ENTRY )")
 INSTRUCTION = re.compile(r"^\s*(?:ROOT )?(%[\w.\-]+) = ")
 CALLS = re.compile(r"calls=(%[\w.\-]+)")
 BODY = re.compile(r"body=(%[\w.\-]+)")
+TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+
+
+def loop_body(line: str) -> tuple[str, int] | None:
+    """The body a `while` instruction runs and how many times (1 where XLA does not know); None for other lines."""
+    body = BODY.search(line)
+    if body is None:
+        return None
+    trip = TRIP.search(line)
+    return body.group(1), int(trip.group(1)) if trip else 1
 
 
 def optimized_hlo(dump_dir: Path, module: str = "jit_train_step") -> Path | None:

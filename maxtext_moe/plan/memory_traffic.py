@@ -23,15 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from maxtext_moe.plan.hlo_text import BODY, computations, read_optimized, reader_main
+from maxtext_moe.plan.hlo_text import CALLS, computations, loop_body, read_optimized, reader_main
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.+?) ([a-z][\w\-]*)\((.*?)\)(.*)$")
 _OPERAND = re.compile(r"%([\w.\-]+(?:#\d+)?)")
 _ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|f8e\w+)\[([\d,]*)\]")
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
-_CALLED = re.compile(r"calls=(%[\w.\-]+)")
 _APPLIED = re.compile(r"to_apply=(%[\w.\-]+)")  # what a `call` instruction runs
 _WRAPPERS = re.compile(r"\b(?:transpose|jvp|checkpoint|jit)\(|[()]")
 # Instructions that move no data of their own, or not through HBM at a kernel's rate: bookkeeping, control flow,
@@ -150,9 +148,8 @@ def analyse(text: str) -> MemoryTraffic:
             if not found:
                 continue
             name, _, opcode, args, rest = found.groups()
-            if body := BODY.search(line):
-                trip = _TRIP.search(line)
-                walk(comps.get(body.group(1), ""), times * (int(trip.group(1)) if trip else 1))
+            if loop := loop_body(line):
+                walk(comps.get(loop[0], ""), times * loop[1])
             if opcode == "call":
                 for called in _APPLIED.findall(rest):
                     walk(comps.get(called, ""), times)
@@ -163,7 +160,7 @@ def analyse(text: str) -> MemoryTraffic:
                 target = _TARGET.search(rest)
                 cast += moved if target and "quantize" in target.group(1) else 0.0
                 continue
-            if opcode == "fusion" and any(" dot(" in comps.get(c, "") for c in _CALLED.findall(rest)):
+            if opcode == "fusion" and any(" dot(" in comps.get(c, "") for c in CALLS.findall(rest)):
                 continue  # a GEMM fusion
             xla += moved
             op_name = _OP_NAME.search(rest)

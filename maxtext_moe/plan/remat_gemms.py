@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from maxtext_moe.plan.hlo_text import BODY, CALLS, computations, read_optimized
+from maxtext_moe.plan.hlo_text import CALLS, computations, loop_body, read_optimized
 
 _SHAPE = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[([\d,]*)\]")
 _DOT = re.compile(r"= \w+\[([\d,]*)\]\S* dot\(%([\w.\-]+)")
@@ -31,7 +31,6 @@ _CUBLAS = re.compile(r'= \(?\w+\[([\d,]*)\][^=]*? custom-call\(%([\w.\-]+).*cust
 _CUBLAS_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
 # The two forms a GEMM takes in the text: (output shape and left operand, its contracted dimensions).
 _GEMM_FORMS = ((_DOT, _CONTRACTING), (_CUBLAS, _CUBLAS_CONTRACTING))
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _REMAT = re.compile(r"^\s*(?:ROOT )?%[\w.\-]*\.remat\d*(?:\.\d+)? = ")
 
 
@@ -95,9 +94,8 @@ def analyse(text: str) -> RematGemms:
                     by_shape[f"[{','.join(map(str, out))}] K={k}"] += flops
             for called in CALLS.findall(line):
                 walk(comps.get(called, ""), times, again)
-            if body := BODY.search(line):
-                trip = _TRIP.search(line)
-                walk(comps.get(body.group(1), ""), times * (int(trip.group(1)) if trip else 1), again)
+            if loop := loop_body(line):
+                walk(comps.get(loop[0], ""), times * loop[1], again)
 
     walk(entry, 1.0, False)
     return RematGemms(total, remat, dict(by_shape))
