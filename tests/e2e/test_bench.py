@@ -147,6 +147,31 @@ def test_attention_benchmark_checks_and_times_causal_attention(tmp_path):
     assert "rel err out" in r.stdout
 
 
+def test_dense_benchmark_checks_each_projection_against_float32(tmp_path):
+    """benchmarks/bench_dense_fp8.py on the CPU (BF16 only; TE's FP8 needs a GPU): every projection of the proxy is
+    checked against float32 and timed, and a variant that cannot run is reported per projection, not fatal."""
+    out = tmp_path / "dense.json"
+    script = REPO / "benchmarks/bench_dense_fp8.py"
+    args = ["--tokens", "64", "--shrink", "64", "--only", "wkv_b,shared_wo", "--iters", "2", "--warmup", "1"]
+    r = subprocess.run(
+        [sys.executable, str(script), *args, "--variants", "bf16,nonesuch", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert [(run["name"], run["variant"]) for run in runs] == [
+        ("wkv_b", "bf16"), ("wkv_b", "nonesuch"), ("shared_wo", "bf16"), ("shared_wo", "nonesuch"),
+    ]  # fmt: skip
+    timed = [run for run in runs if run["variant"] == "bf16"]
+    assert [(run["k"], run["n"]) for run in timed] == [(512 // 64, 32768 // 64), (2048 // 64, 7168 // 64)]
+    assert all(max(run["rel_err_out"], run["rel_err_dx"], run["rel_err_dw"]) < 1e-2 for run in timed)
+    assert all(run["tflops"] == pytest.approx(6 * 64 * run["k"] * run["n"] / (run["median_ms"] * 1e-3) / 1e12)
+               for run in timed)  # fmt: skip
+    assert all("unknown variant" in run["error"] for run in runs if run["variant"] == "nonesuch")
+
+
 def test_attention_reference_is_causal():
     """The yardstick masks the future: changing the last key and value moves only the last query's output."""
     sys.path.insert(0, str(REPO / "benchmarks"))
