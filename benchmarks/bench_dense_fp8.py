@@ -24,7 +24,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from bench_moe_layer import rel, time_fn
+from bench_moe_layer import grad_fn, rel, time_fn
 
 # name, input width, output width, times one proxy step runs it (1 dense + 4 MoE + 1 MTP layer)
 PROJECTIONS = (
@@ -68,18 +68,12 @@ def run_one(variant: str, name: str, m: int, k: int, n: int, count: int, warmup:
     w = (jax.random.normal(keys[1], (k, n), jnp.float32) * k**-0.5).astype(jnp.bfloat16)
     cot = jax.random.normal(keys[2], (m, n), jnp.bfloat16)
     project = projection_fn(variant)
-
-    def loss(x: jax.Array, w: jax.Array, f: Callable = project) -> jax.Array:
-        return jnp.sum(f(x, w).astype(jnp.float32) * cot.astype(jnp.float32))
-
-    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
     rows = min(m, 1024)  # the check on the first rows: a float32 copy of every operand would not fit beside them
-    check = jax.jit(jax.grad(lambda x, w: jnp.sum(project(x, w).astype(jnp.float32) * cot[:rows]), argnums=(0, 1)))
-    ref = jax.grad(lambda x, w: jnp.sum((x @ w) * cot[:rows].astype(jnp.float32)), argnums=(0, 1))
+    (dw, dx), y = grad_fn(lambda w, x: project(x, w), cot[:rows])(w, x[:rows])
     x32, w32 = x[:rows].astype(jnp.float32), w.astype(jnp.float32)
-    dx, dw = check(x[:rows], w)
-    dx_ref, dw_ref = ref(x32, w32)
-    timed = time_fn(lambda: step(x, w), warmup, iters)
+    (dw_ref, dx_ref), y_ref = grad_fn(lambda w, x: x @ w, cot[:rows].astype(jnp.float32))(w32, x32)
+    step = grad_fn(lambda w, x: project(x, w), cot)
+    timed = time_fn(lambda: step(w, x), warmup, iters)
     flops = 3 * 2.0 * m * k * n  # forward, input gradient, weight gradient
     return {
         "variant": variant,
@@ -90,7 +84,7 @@ def run_one(variant: str, name: str, m: int, k: int, n: int, count: int, warmup:
         "count": count,
         **timed,
         "tflops": flops / (timed["median_ms"] * 1e-3) / 1e12,
-        "rel_err_out": rel(jax.jit(project)(x[:rows], w), x32 @ w32),
+        "rel_err_out": rel(y, y_ref),
         "rel_err_dx": rel(dx, dx_ref),
         "rel_err_dw": rel(dw, dw_ref),
     }
