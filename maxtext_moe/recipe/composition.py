@@ -59,7 +59,7 @@ SECTIONS = (
 TOPOLOGY_FIELDS = ("hardware", "nodes", "gpus_per_node")
 CORPUS_FIELDS = ("source", "max_mib", "shards")
 MOE_FIELDS = settings.FIELDS
-ATTENTION_FIELDS = ("residuals", "kernel")
+ATTENTION_FIELDS = ("residuals", "kernel", "bf16_projections")
 # sections with fixed fields
 FIELDS = {
     "topology": TOPOLOGY_FIELDS,

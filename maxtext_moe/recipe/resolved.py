@@ -78,7 +78,7 @@ class ResolvedRecipe:
     corpus: dict[str, Any] | None
     moe: dict[str, Any] = field(default_factory=lambda: {"impl": "maxtext"})  # MoeSettings.to_dict()
     attention: dict[str, Any] = field(
-        default_factory=lambda: {"residuals": "recompute", "kernel": "cudnn"}
+        default_factory=lambda: {"residuals": "recompute", "kernel": "cudnn", "bf16_projections": []}
     )  # validate._attention
     guard: dict[str, Any] = field(default_factory=lambda: GuardSettings().to_dict())  # GuardSettings.to_dict()
     job: dict[str, Any] = field(default_factory=lambda: JobSettings().to_dict())  # JobSettings.to_dict()

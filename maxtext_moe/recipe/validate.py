@@ -22,9 +22,10 @@ from maxtext_moe.recipe import guard as guard_section
 from maxtext_moe.recipe import job as job_section
 from maxtext_moe.recipe import maxtext_keys, mesh_check, moe_checks
 from maxtext_moe.recipe import training as training_section
-from maxtext_moe.recipe.composition import Composition, suggest
+from maxtext_moe.recipe.composition import Composition, Value, suggest
 from maxtext_moe.recipe.hardware import PROFILES, Hardware
 from maxtext_moe.recipe.resolved import ResolvedRecipe, Topology
+from maxtext_moe.upstream import bf16_projections
 
 BASE_DEFAULT = "MaxText's base.yml default"
 FP8_QUANTIZATIONS = frozenset(
@@ -206,9 +207,10 @@ class _Checker:
                 )
 
 
-def _attention(comp: Composition, check: _Checker, hw: Hardware) -> dict[str, str]:
+def _attention(comp: Composition, check: _Checker, hw: Hardware) -> dict[str, Any]:
     """The `attention` section with defaults: `residuals: save` keeps flash attention's forward outputs;
-    `kernel: fa3` runs FlashAttention-3 where MaxText's `cudnn_flash_jax` would run cuDNN's."""
+    `kernel: fa3` runs FlashAttention-3 where MaxText's `cudnn_flash_jax` would run cuDNN's;
+    `bf16_projections` keeps MLA projections out of TE's FP8."""
     sec = comp.sections["attention"]
 
     def field(name: str, default: str, allowed: tuple[str, ...]) -> tuple[str, str | None]:
@@ -244,7 +246,34 @@ def _attention(comp: Composition, check: _Checker, hw: Hardware) -> dict[str, st
             source=where,
             fix="use attention.kernel: cudnn on this hardware.",
         )
-    return {"residuals": residuals, "kernel": kernel}
+    return {"residuals": residuals, "kernel": kernel, "bf16_projections": _bf16_projections(sec, check)}
+
+
+def _bf16_projections(sec: dict[str, Value], check: _Checker) -> list[str]:
+    """`attention.bf16_projections`: MLA projections computed in BF16 where TE's FP8 quantizes the rest."""
+    if "bf16_projections" not in sec:
+        return []
+    value, where = sec["bf16_projections"].value, sec["bf16_projections"].source
+    names = value if isinstance(value, list) else [value]
+    known = tuple(bf16_projections.PROJECTIONS)
+    for name in names:
+        if name not in known:
+            raise UserError(
+                f"names {name!r}, which is not an MLA projection.",
+                key="attention.bf16_projections",
+                source=where,
+                fix=f"list some of {', '.join(known)}.",
+            )
+    quant = str(check.value("quantization") or "")
+    if names and not quant.startswith("te_fp8"):
+        raise UserError(
+            f"keeps {', '.join(names)} in BF16, but quantization is {quant or 'off'!r}: only TE's FP8 recipes "
+            "(te_fp8_currentscaling, te_fp8_delayedscaling) quantize them.",
+            key="attention.bf16_projections",
+            source=where,
+            fix="include quantization/fp8-hopper, or remove attention.bf16_projections.",
+        )
+    return sorted(set(names), key=known.index)
 
 
 def _env(comp: Composition) -> dict[str, str]:

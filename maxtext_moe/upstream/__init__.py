@@ -21,6 +21,8 @@ Each module names the gap it fills. `SYMBOLS` lists what they touch, so that one
   barrier under gradient accumulation on GPUs (without it XLA merges each recomputation with its forward).
 - `mtp_quant`: rebinds `models.MultiTokenPredictionBlock`, and `multi_token_prediction.DenseGeneral` while the block
   is built, so that the MTP layer takes the decoder's quantization.
+- `bf16_projections`: rebinds `quantizations.TransformerEngineQuantization.dot_general_cls` and calls its `_wrap`,
+  so that the MLA projections `attention.bf16_projections` names compute in BF16 under TE's FP8 recipes.
 - `maxtext_config`: `pyconfig._initialize_pydantic`, MaxText's config model without its `sys.exit`.
 - `maxtext_errors`: unwraps the error `max_utils.transformer_engine_context` turns into a re-yield.
 - `te`: TE's `_v2_grouped_gemm_available` flag (grouped-GEMM path) and its JAX bindings.
@@ -73,6 +75,8 @@ SYMBOLS: tuple[tuple[str, str, str], ...] = (
     ("maxtext", "maxtext.utils.exceptions", "StopTraining"),
     ("maxtext", "maxtext.models.models", "MultiTokenPredictionBlock"),
     ("maxtext", "maxtext.layers.multi_token_prediction", "DenseGeneral"),
+    ("maxtext", "maxtext.layers.quantizations", "TransformerEngineQuantization.dot_general_cls"),
+    ("maxtext", "maxtext.layers.quantizations", "TransformerEngineQuantization._wrap"),
     ("maxtext", "maxtext.configs.pyconfig", "_initialize_pydantic"),
     ("maxtext", "maxtext.utils.max_utils", "transformer_engine_context"),
     ("maxtext", "maxtext.utils.max_utils", "maybe_bootstrap_te_moe"),

@@ -97,7 +97,7 @@ def compile_step(request: dict[str, Any]) -> dict[str, Any]:
         from maxtext.utils import maxtext_utils, sharding
 
         from maxtext_moe.moe.settings import MoeSettings
-        from maxtext_moe.upstream import maxtext_config, mtp_quant, remat, remat_cse
+        from maxtext_moe.upstream import bf16_projections, maxtext_config, mtp_quant, remat, remat_cse
 
         settings = MoeSettings.from_dict(request["moe"])
         if settings.ours:
@@ -111,6 +111,7 @@ def compile_step(request: dict[str, Any]) -> dict[str, Any]:
             fa3_attention.install()
         remat_cse.install()
         mtp_quant.install()
+        bf16_projections.install(request["attention"].get("bf16_projections", []))
         config = maxtext_config.check(request["maxtext"], request["sources"])
         # MaxText's train sets the partitioner from its `shardy` key in main(), which this compile skips.
         jax.config.update("jax_use_shardy_partitioner", config.shardy)

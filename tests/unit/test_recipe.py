@@ -260,7 +260,7 @@ def test_moe_section_defaults_and_checks():
         "dispatch_chunks": 1,
         "seq_balance_loss_weight": 0.0,
     }
-    assert r.attention == {"residuals": "recompute", "kernel": "cudnn"}
+    assert r.attention == {"residuals": "recompute", "kernel": "cudnn", "bf16_projections": []}
     assert r.sources["moe.gemm"] == "default for cpu"
     assert "moe.impl: must be one of maxtext, ours, got 'mine'." in error_of(TINY, "moe.impl=mine")
     assert "moe.gemm: applies only to moe.impl: ours" in error_of(TINY, "moe.gemm=tokamax")
@@ -434,10 +434,23 @@ def test_attention_section_refuses_unknown_residuals_naming_the_source():
     )
 
 
+def test_bf16_projections_are_mla_projections_kept_out_of_te_fp8():
+    fp8 = "deepseek3-proxy-h200-1gpu-fp8"
+    chosen = compose_resolve(fp8, "attention.bf16_projections=[wkv_b, wkv_a, wkv_b]").attention["bf16_projections"]
+    assert chosen == ["wkv_a", "wkv_b"]  # in the model's order, once each
+    assert compose_resolve(fp8, "attention.bf16_projections=wq_a").attention["bf16_projections"] == ["wq_a"]
+    unknown = error_of(fp8, "attention.bf16_projections=[wkv_a, wo]")
+    assert "attention.bf16_projections: names 'wo', which is not an MLA projection" in unknown
+    assert "list some of wq_a, wq_b, wkv_a, wkv_b" in unknown
+    bf16 = error_of("deepseek3-proxy-h200-1gpu", "attention.bf16_projections=[wkv_a]")
+    assert "keeps wkv_a in BF16, but quantization is 'off'" in bf16 and "include quantization/fp8-hopper" in bf16
+
+
 def test_attention_kernel_fa3_needs_the_cudnn_path_it_replaces_and_hopper():
     proxy = "deepseek3-proxy-h200-1gpu"
     assert compose_resolve(proxy).attention["kernel"] == "cudnn"
-    assert compose_resolve(proxy, "attention.kernel=fa3").attention == {"residuals": "save", "kernel": "fa3"}
+    fa3 = compose_resolve(proxy, "attention.kernel=fa3").attention
+    assert fa3 == {"residuals": "save", "kernel": "fa3", "bf16_projections": []}
     assert "attention.kernel: must be one of cudnn, fa3, got 'fa4'." in error_of(proxy, "attention.kernel=fa4")
     wrong_path = error_of(proxy, "attention.kernel=fa3", "attention=cudnn_flash_te")
     assert "attention.kernel: is fa3, but attention is 'cudnn_flash_te'" in wrong_path
