@@ -80,6 +80,7 @@ class Plan:
     recompute_fraction: float
     bubble: float
     step_s: float
+    terms: dict[str, float]  # seconds a step by kind of work (compute, then exposed collectives); they sum to step_s
 
     @property
     def fits(self) -> bool:
@@ -115,6 +116,7 @@ class Plan:
             "recompute_fraction": self.recompute_fraction,
             "pipeline_bubble": self.bubble,
             "step_time_s": self.step_s,
+            "step_terms_s": dict(self.terms),
             "tokens_per_s_per_gpu": lay.tokens / self.step_s,
             "predicted_tflops_per_gpu": self.tflops_per_gpu,
             "compile_s_deviceless_2_cores": compile_time.seconds(self.model, lay),
@@ -166,6 +168,10 @@ class Plan:
             f"dense GEMMs {'FP8' if lay.dense_fp8 else 'BF16'}) -> {self.step_s:.2f} s/step, "
             f"{lay.tokens / self.step_s:,.0f} tokens/s/GPU, {self.tflops_per_gpu:,.0f} TFLOPS/GPU "
             f"predicted ({peak} peaks of {lay.hardware.name})"
+        )
+        lines.append(
+            "    by term: "
+            + ", ".join(f"{k} {v:.2f} s ({v / self.step_s:.0%})" for k, v in self.terms.items() if v > 0)
         )
         lines.append(compile_time.render(m, lay))
         return "\n".join(lines)
@@ -227,28 +233,29 @@ def routed_copies(m: Model, lay: Layout) -> float:
     return lay.tokens * (m.moe_layers + m.mtp_layers) * m.topk
 
 
-def _compute_seconds(f: flops.Flops, m: Model, lay: Layout, rec: Recompute) -> float:
-    """Kernel time of the step's tokens: GEMMs, grouped GEMMs, attention, quantization, permutation."""
+def _compute_terms(f: flops.Flops, m: Model, lay: Layout, rec: Recompute) -> dict[str, float]:
+    """Kernel time of the step's tokens by kind of work, recomputation included, so that `plan` can say which
+    term stands between a recipe and a target rate."""
     hw = lay.hardware
     peak = {True: (hw.peak_fp8_tflops or hw.peak_bf16_tflops) * 1e12, False: hw.peak_bf16_tflops * 1e12}
     buffer = expert_rows_computed(m, lay)
     rows = 1 + EMPTY_ROW_COST * (buffer - 1)
     copies = routed_copies(m, lay)
     passes = 2 if memory.keeps_fp8_operands(lay) else 3
-    quantize = copies * buffer * passes * (m.emb + m.moe_mlp) * QUANTIZE_S_PER_ELEMENT if lay.expert_fp8 else 0.0
     dense_efficiency = DENSE_FP8_GEMM_EFFICIENCY if lay.dense_fp8 else DENSE_GEMM_EFFICIENCY
     xla_sort = not lay.dedup_dispatch and lay.moe_path != "te"
-    permute = copies * PERMUTE_S_PER_COPY["maxtext" if xla_sort else "ours"]
-    return (
-        lay.tokens
-        * (
-            (f.gemm + rec.gemm) / (peak[lay.dense_fp8] * dense_efficiency)
-            + (f.grouped_gemm + rec.grouped) * rows / (peak[lay.expert_fp8] * GROUPED_GEMM_EFFICIENCY[lay.moe_path])
-            + (f.core + rec.core) / (peak[False] * ATTENTION_EFFICIENCY)
-        )
-        + quantize
-        + permute
-    )
+    return {
+        "dense GEMMs": lay.tokens * (f.gemm + rec.gemm) / (peak[lay.dense_fp8] * dense_efficiency),
+        "expert GEMMs": lay.tokens
+        * (f.grouped_gemm + rec.grouped)
+        * rows
+        / (peak[lay.expert_fp8] * GROUPED_GEMM_EFFICIENCY[lay.moe_path]),
+        "attention": lay.tokens * (f.core + rec.core) / (peak[False] * ATTENTION_EFFICIENCY),
+        "FP8 expert quantization": (
+            copies * buffer * passes * (m.emb + m.moe_mlp) * QUANTIZE_S_PER_ELEMENT if lay.expert_fp8 else 0.0
+        ),
+        "routing and permutation": copies * PERMUTE_S_PER_COPY["maxtext" if xla_sort else "ours"],
+    }
 
 
 def optimizer_seconds(m: Model, lay: Layout) -> float:
@@ -268,10 +275,13 @@ def evaluate(name: str, m: Model, lay: Layout, groups: int = 0, topk_groups: int
     colls, a2a = communication.per_step(m, lay, groups, topk_groups)
     recompute = _recompute(m, lay)
     bubble = (lay.pp - 1) / (lay.microbatches + lay.pp - 1) if lay.pp > 1 else 0.0
-    compute = _compute_seconds(f, m, lay, recompute) / (1 - bubble) + optimizer_seconds(m, lay)
+    terms = {k: v / (1 - bubble) for k, v in _compute_terms(f, m, lay, recompute).items()}
+    terms["optimizer and per-step work"] = optimizer_seconds(m, lay)
+    compute = sum(terms.values())
     hidden = sum(_seconds(c, lay) * (1 - c.exposed_share) for c in colls if c.overlapped)
     shown = sum(_seconds(c, lay) * (1 if not c.overlapped else c.exposed_share) for c in colls)
-    exposed = shown + max(0.0, hidden - compute)
+    terms["collectives on the critical path"] = shown
+    terms["overlapped collectives beyond compute"] = max(0.0, hidden - compute)
     return Plan(
         recipe=name,
         model=m,
@@ -283,7 +293,8 @@ def evaluate(name: str, m: Model, lay: Layout, groups: int = 0, topk_groups: int
         compute_s=compute,
         recompute_fraction=recompute.total / f.total,
         bubble=bubble,
-        step_s=compute + exposed,
+        step_s=sum(terms.values()),
+        terms=terms,
     )
 
 

@@ -63,6 +63,7 @@ def test_published_gb200_recipe_fits_and_reports_consumers() -> None:
     j = p.to_json()
     for key in ("fits", "memory_per_gpu_gib", "gflops_per_token", "predicted_tflops_per_gpu"):
         assert key in j
+    assert sum(j["step_terms_s"].values()) == pytest.approx(j["step_time_s"])
     # Offloading the MoE up-projection moves bytes from HBM to host: none are offloaded under full remat.
     full = estimate(cli.resolve("deepseek3-671b-published-gb200-128", ["remat_policy=full"]))
     assert full.memory.host_total == 0 and p.memory.host_total > 0
@@ -120,6 +121,38 @@ def test_ep_time_counts_the_bytes_the_recipes_block_sends() -> None:
     assert eight["dense_blocks"] == pytest.approx(
         7 / (8 * (1 - comb(224, 8) / comb(256, 8)) * 7 / 8) * eight["per_rank_dedup"]
     )
+
+
+def test_step_terms_say_which_work_a_change_removes(capsys: pytest.CaptureFixture[str]) -> None:
+    """The step is the sum of its terms, and a change moves only the terms of the work it changes. On H200s the
+    671B step waits on the EP exchange: sending each token once per rank instead of XLA's blocks of T rows
+    shortens only the collective on the critical path, by the bytes it saves. On H100s across 32 nodes the FSDP
+    collectives outlast the compute they overlap, so a faster kernel there shortens the step not at all."""
+    h200, ragged = (
+        estimate(cli.resolve("deepseek3-671b-h200-128", o)) for o in ([], ["moe.exchange=ragged_all_to_all"])
+    )
+    for p in (h200, ragged):
+        assert sum(p.terms.values()) == pytest.approx(p.step_s)
+        assert p.compute_s == pytest.approx(sum(v for k, v in p.terms.items() if "collectives" not in k))
+    moved = {k for k in h200.terms if h200.terms[k] != pytest.approx(ragged.terms[k])}
+    assert moved == {"collectives on the critical path"}
+    a2a = h200.a2a
+    critical = h200.terms["collectives on the critical path"]
+    assert ragged.terms["collectives on the critical path"] == pytest.approx(
+        critical * a2a["per_rank_dedup"] / a2a["dense_blocks"]
+    )
+    assert h200.terms["overlapped collectives beyond compute"] == 0.0
+
+    h100 = estimate(cli.resolve("deepseek3-671b-h100-256", []))
+    bf16_dense = estimate(cli.resolve("deepseek3-671b-h100-256", ["quantization=''"]))
+    assert h100.terms["overlapped collectives beyond compute"] > 0
+    assert bf16_dense.terms["dense GEMMs"] > h100.terms["dense GEMMs"]
+    assert bf16_dense.step_s == pytest.approx(h100.step_s)
+
+    assert cli.main(["plan", "deepseek3-671b-h200-128"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("by term:"))
+    assert f"collectives on the critical path {critical:.2f} s ({critical / h200.step_s:.0%})" in line
+    assert "overlapped collectives beyond compute" not in line
 
 
 def test_bad_planner_inputs_name_the_fix() -> None:
@@ -205,6 +238,11 @@ def test_fp8_current_scaling_experts_plan_at_the_fp8_peak() -> None:
     quantize = routed_copies(m, lay) * 2 * (m.emb + m.moe_mlp) * QUANTIZE_S_PER_ELEMENT
     assert 0 < quantize < grouped_gain
     assert bf16.compute_s - fp8.compute_s == pytest.approx(grouped_gain - quantize)
+    assert bf16.terms["expert GEMMs"] - fp8.terms["expert GEMMs"] == pytest.approx(grouped_gain)
+    cast = "FP8 expert quantization"
+    assert (bf16.terms[cast], fp8.terms[cast]) == (0.0, pytest.approx(quantize))
+    unchanged = set(fp8.terms) - {"expert GEMMs", cast}
+    assert {k: fp8.terms[k] for k in unchanged} == {k: bf16.terms[k] for k in unchanged}
 
 
 def test_fp8_proxy_recipe_is_the_bf16_proxy_with_fp8_gemms_and_more_memory() -> None:
