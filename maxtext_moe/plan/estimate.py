@@ -79,8 +79,11 @@ class Plan:
     compute_s: float
     recompute_fraction: float
     bubble: float
-    step_s: float
-    terms: dict[str, float]  # seconds a step by kind of work (compute, then exposed collectives); they sum to step_s
+    terms: dict[str, float]  # seconds a step by kind of work: compute, then exposed collectives
+
+    @property
+    def step_s(self) -> float:
+        return sum(self.terms.values())
 
     @property
     def fits(self) -> bool:
@@ -293,7 +296,6 @@ def evaluate(name: str, m: Model, lay: Layout, groups: int = 0, topk_groups: int
         compute_s=compute,
         recompute_fraction=recompute.total / f.total,
         bubble=bubble,
-        step_s=sum(terms.values()),
         terms=terms,
     )
 
