@@ -28,7 +28,7 @@ from maxtext_moe.errors import UserError
 from maxtext_moe.moe import balance, nccl_ep, scopes
 from maxtext_moe.moe.backward_order import weight_grads_first
 from maxtext_moe.moe.exchange import exchange, transpose
-from maxtext_moe.moe.layer import MoEConfig, Params, check_dropless, gate_logits, shared_expert
+from maxtext_moe.moe.layer import MoEConfig, Params, check_dropless, expert_keys, gate_logits, shared_expert
 from maxtext_moe.moe.receive import expand_reduce, expert_copies, guard_capacity, receive_rows
 from maxtext_moe.moe.routing import Routing, route
 from maxtext_moe.moe.send_plan import DispatchPlan, local_experts, plan_dispatch
@@ -41,9 +41,9 @@ def ep_routed(
     x: jax.Array, plan: DispatchPlan, experts: Params, path: ExpertPath, *, check: bool = True
 ) -> tuple[jax.Array, jax.Array]:
     """Routed-expert output [T, D] float32 for this rank's tokens `x` [T, D], its `plan`, and its expert
-    shard `experts` ({wi_0, wi_1: [L, D, F], wo: [L, F, D]}), and the (token, expert) copies the ranks'
-    experts computed together (int32, the same on every rank). Runs per rank under shard_map or vmap over
-    `path.axis_name`.
+    shard `experts` ({wi_0, wi_1: [L, D, F], wo: [L, F, D]}, or one wi [L, D, 2F] for wi_0 and wi_1), and the
+    (token, expert) copies the ranks' experts computed together (int32, the same on every rank). Runs per rank
+    under shard_map or vmap over `path.axis_name`.
 
     Send: row i of the send buffer is x[row_token[i]]; in each destination's receive buffer (`receive_rows`
     rows, pre-filled as padding: zeros, expert -1) the senders' rows follow one another in rank order.
@@ -175,7 +175,6 @@ def _routing(indices: jax.Array, weights: jax.Array, lost: jax.Array, ranks: int
     return Routing(indices, weights, counts, jnp.sum(lost) / ranks)
 
 
-_EXPERT_KEYS = ("wi_0", "wi_1", "wo")
 Gathers = tuple[tuple[str, ...], ...]  # per dimension of a weight: the mesh axes it is gathered over
 
 
@@ -214,7 +213,7 @@ def ep_moe_forward_emulated(
     tokens = _split_tokens(x, cfg, ranks)
     num_local = local_experts(cfg.routing.num_experts, ranks)
     p = params["MoeBlock_0"]
-    shards = {n: p[n].reshape(ranks, num_local, *p[n].shape[1:]) for n in _EXPERT_KEYS}
+    shards = {n: p[n].reshape(ranks, num_local, *p[n].shape[1:]) for n in expert_keys(p)}
     path = dataclasses.replace(path, exchange="emulated", axis_name=EP_AXIS, buffer_factor=-1.0, own_adjoint=False)
     body = functools.partial(_rank_forward, cfg=cfg, ranks=ranks, path=path)
     y, indices, weights, lost = jax.vmap(body, in_axes=(None, 0, None, 0), axis_name=EP_AXIS)(
@@ -263,14 +262,14 @@ def ep_routed_sharded(
     gather = {n: expert_gathers(s, p[n].ndim, axis) for n, s in (expert_specs or {}).items()}
     if None in gather.values():
         gather = {}
-    specs = {n: expert_specs[n] if gather else P(axis) for n in _EXPERT_KEYS}
+    specs = {n: expert_specs[n] if gather else P(axis) for n in expert_keys(p)}
     routed, indices, weights, lost = jax.shard_map(
         functools.partial(_rank_routed, cfg=cfg, ranks=ranks, path=path, gather=gather),
         mesh=mesh,
         in_specs=(P(), specs, token_spec),
         out_specs=(token_spec, token_spec, token_spec, P(mesh.axis_names)),  # lost: one entry per device
         check_vma=path.backend == "ragged_dot" if check_vma is None else check_vma,
-    )(p["gate"], {n: p[n] for n in _EXPERT_KEYS}, x)
+    )(p["gate"], {n: p[n] for n in expert_keys(p)}, x)
     return routed, _routing(indices, weights, lost, ranks, cfg)
 
 

@@ -2,9 +2,9 @@
 
 Why our own: MaxText 0.2.5's `RoutedMoE.sparse_matmul` reaches only `ragged_dot`/tokamax for the expert
 GEMMs, and its TE block refuses the aux-loss-free bias update. This layer keeps MaxText's parameter tree
-(`RoutedAndSharedMoE`: `MoeBlock_0/{gate/{kernel,bias}, wi_0, wi_1, wo}`, `shared_experts/{wi_0,wi_1,wo}/kernel`)
-and DeepSeek-V3 semantics, and takes how the experts compute (`settings.ExpertPath`: grouped-GEMM backend,
-FP8) as one argument.
+(`RoutedAndSharedMoE`: `MoeBlock_0/{gate/{kernel,bias}, wi_0, wi_1, wo}`, `shared_experts/{wi_0,wi_1,wo}/kernel`;
+with MaxText's `prefuse_moe_weights`, one `wi` [E, D, 2F] in place of wi_0 and wi_1) and DeepSeek-V3
+semantics, and takes how the experts compute (`settings.ExpertPath`: grouped-GEMM backend, FP8) as one argument.
 
 Steps: route (float32) -> repeat each token k times and sort the copies by expert -> grouped GEMMs
 wi_0, wi_1 -> SiLU(h0) * h1 * routing weight -> grouped GEMM wo -> unsort -> sum over the k copies -> + shared
@@ -37,6 +37,31 @@ from maxtext_moe.moe.routing import Routing, RoutingConfig, route
 from maxtext_moe.moe.settings import DEFAULT_PATH, ExpertPath
 
 Params = dict[str, Any]
+# MaxText's `prefuse_moe_weights` tree: wi_0 and wi_1 stored side by side as one `wi` [E, D, 2F], wi_0 first.
+FUSED_UP = "wi"
+
+
+def expert_keys(experts: Params) -> tuple[str, ...]:
+    """The expert weights of a `MoeBlock_0` tree, fused (`wi`, `wo`) or not (`wi_0`, `wi_1`, `wo`)."""
+    return (FUSED_UP, "wo") if FUSED_UP in experts else ("wi_0", "wi_1", "wo")
+
+
+def up_weights(experts: Params) -> jax.Array:
+    """wi_0 and wi_1 side by side [E, D, 2F], the operand of the up-projection's one grouped GEMM.
+
+    Why the fused tree pays: unfused, the two are concatenated in the forward and again in the backward remat,
+    and XLA fuses their AdamW updates, which read one gradient, into one kernel whose wi_1 outputs it then
+    copies into place; stored fused, none of the three copies is made.
+    """
+    if FUSED_UP in experts:
+        return experts[FUSED_UP]
+    return jnp.concatenate([experts["wi_0"], experts["wi_1"]], axis=-1)
+
+
+def fuse_up(block: Params) -> Params:
+    """A `MoeBlock_0` tree with wi_0 and wi_1 replaced by MaxText's fused `wi` (the same expert MLPs)."""
+    rest = {k: v for k, v in block.items() if k not in ("wi_0", "wi_1")}
+    return {**rest, FUSED_UP: up_weights(block)}
 
 
 @dataclass(frozen=True)
@@ -157,7 +182,7 @@ def expert_mlp(
         fp8_cast=path.fp8_cast,
     )
     with jax.named_scope(scopes.EXPERTS):
-        h = gmm(x_sorted, jnp.concatenate([experts["wi_0"], experts["wi_1"]], axis=-1))
+        h = gmm(x_sorted, up_weights(experts))
         for name in UP_OUTPUT:
             h = checkpoint_name(h, name)
         h0, h1 = jnp.split(h, 2, axis=-1)

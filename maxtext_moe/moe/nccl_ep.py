@@ -39,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from maxtext_moe.errors import UserError
-from maxtext_moe.moe.layer import MoEConfig, Params, expert_mlp, gate_logits
+from maxtext_moe.moe.layer import MoEConfig, Params, expert_keys, expert_mlp, gate_logits
 from maxtext_moe.moe.receive import guard_capacity
 from maxtext_moe.moe.routing import Routing, route
 from maxtext_moe.moe.settings import EP_AXIS, ExpertPath
@@ -47,7 +47,6 @@ from maxtext_moe.moe.settings import EP_AXIS, ExpertPath
 # Rows per local-expert block in NCCL EP's receive buffer (TE's `moe._ALIGN_SIZE`: NCCL EP's HT mode needs
 # at least 128, and every TE grouped-GEMM recipe takes it).
 ALIGN = 128
-_EXPERT_KEYS = ("wi_0", "wi_1", "wo")
 TE_FIX = "install transformer-engine[jax]==2.20.2 (pip install '.[gpu]') with NCCL >= 2.30.4, or use moe.exchange: auto"
 
 
@@ -229,7 +228,7 @@ def routed(
         in_specs=(rows, per_row, per_row, P(EP_AXIS)),
         out_specs=rows,
         check_vma=path.backend == "ragged_dot" if check_vma is None else check_vma,
-    )(pin(recv_x), pin(recv_w), pin(counts), {n: p[n] for n in _EXPERT_KEYS})
+    )(pin(recv_x), pin(recv_w), pin(counts), {n: p[n] for n in expert_keys(p)})
     out = ep.ep_combine(layer, handle, counts, pin(weighted), tokens.shape[0])
     counts_all = jnp.bincount(routing.indices.reshape(-1), length=cfg.routing.num_experts).astype(jnp.int32)
     dropped = jnp.zeros((), jnp.float32)  # a step that would drop is stopped by the guard above

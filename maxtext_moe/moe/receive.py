@@ -54,7 +54,7 @@ def expand_reduce(
     took 14 GiB of the 671B H100 recipe's step.
     """
     rows, slots = row_experts.shape
-    num_local = experts["wi_0"].shape[0]
+    num_local = experts["wo"].shape[0]
     flat = row_experts.reshape(-1)
     valid = (flat >= 0) & (flat < num_local)
     order, inverse, sizes = sort_by_expert(jnp.where(valid, flat, num_local), num_local + 1, check=False)

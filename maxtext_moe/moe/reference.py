@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from maxtext_moe.moe.layer import MoEConfig, Params, gate_logits, shared_expert
+from maxtext_moe.moe.layer import MoEConfig, Params, gate_logits, shared_expert, up_weights
 from maxtext_moe.moe.routing import route
 
 _HI = jax.lax.Precision.HIGHEST
@@ -30,7 +30,8 @@ def moe_reference(params: Params, x: jax.Array, cfg: MoEConfig) -> jax.Array:
         h = jax.nn.silu(jnp.dot(tokens, wi_0, precision=_HI)) * jnp.dot(tokens, wi_1, precision=_HI)
         return carry + weight[:, None] * jnp.dot(h, wo, precision=_HI), None
 
-    experts = (p["wi_0"], p["wi_1"], p["wo"], combine.T)
+    wi_0, wi_1 = jnp.split(up_weights(p), 2, axis=-1)
+    experts = (wi_0, wi_1, p["wo"], combine.T)
     routed, _ = jax.lax.scan(one_expert, jnp.zeros_like(tokens), experts)
     with jax.default_matmul_precision("highest"):
         y = routed + shared_expert(tokens, p32["shared_experts"])

@@ -12,7 +12,8 @@ later `install` keep the class, and so the settings, they were built with, and n
 mutated.
 
 The subclass keeps MaxText's `__init__`, so the parameters are MaxText's own: same tree
-(`DeepSeekMoeBlock_0/{MoeBlock_0/{gate/{kernel,bias}, wi_0, wi_1, wo}, shared_experts/...}`), shapes,
+(`DeepSeekMoeBlock_0/{MoeBlock_0/{gate/{kernel,bias}, wi_0, wi_1, wo}, shared_experts/...}`, or `wi` for wi_0 and
+wi_1 under MaxText's `prefuse_moe_weights`), shapes,
 logical shardings, initialisers and RNG order; checkpoints move freely between `impl: maxtext` and
 `impl: ours`, and a fixed seed gives the same initial model. It overrides `mlp_op`, the one place
 the layer calls its MoE block (and `__call__`, only to order the backward under FSDP, see there), and
@@ -56,7 +57,7 @@ from maxtext.models import deepseek
 from maxtext_moe.errors import UserError
 from maxtext_moe.moe import balance, expert_parallel, gemm
 from maxtext_moe.moe.backward_order import weight_grads_first
-from maxtext_moe.moe.layer import MoEConfig, Params, gate_logits, routed_experts
+from maxtext_moe.moe.layer import FUSED_UP, MoEConfig, Params, expert_keys, gate_logits, routed_experts
 from maxtext_moe.moe.routing import Routing, RoutingConfig
 from maxtext_moe.moe.settings import EP_AXIS, GPU_EXCHANGES, ExpertPath, Impl, MoeSettings
 from maxtext_moe.upstream import balance_metrics
@@ -101,7 +102,6 @@ def unsupported(config: Any, layer: deepseek.DeepSeekMoELayer) -> list[str]:
         )
         != ["silu", "linear"],
         "mlp_bias=true": bool(config.mlp_bias),
-        "prefuse_moe_weights=true (ours reads wi_0 and wi_1)": bool(config.prefuse_moe_weights),
         "use_random_routing=true": bool(config.use_random_routing),
         "moe_expert_input_dim != emb_dim": config.moe_expert_input_dim > 0
         and config.moe_expert_input_dim != config.emb_dim,
@@ -192,12 +192,12 @@ class OurDeepSeekMoELayer(deepseek.DeepSeekMoELayer):
 def _routed_params(routed: mt_moe.RoutedMoE, num_experts: int) -> Params:
     """The `MoeBlock_0` variables as our layer's tree; a model without `routed_bias` selects with bias 0."""
     bias = routed.gate.bias[...] if routed.gate.bias is not None else jnp.zeros((num_experts,), jnp.float32)
-    return {
-        "gate": {"kernel": routed.gate.kernel[...], "bias": bias},
-        "wi_0": routed.wi_0[...],
-        "wi_1": routed.wi_1[...],
-        "wo": routed.wo[...],
-    }
+    up = (
+        {FUSED_UP: routed.wi[...]}
+        if routed.config.prefuse_moe_weights
+        else {"wi_0": routed.wi_0[...], "wi_1": routed.wi_1[...]}
+    )
+    return {"gate": {"kernel": routed.gate.kernel[...], "bias": bias}, **up, "wo": routed.wo[...]}
 
 
 def exchange_impl(mesh: Mesh, settings: MoeSettings) -> Impl:
@@ -223,9 +223,8 @@ def _expert_parallel(
     spec = routed._logical_to_mesh_axes((batch_axis, "activation_norm_length", None))
     path = dataclasses.replace(path, exchange=exchange_impl(routed.mesh, settings), axis_name=EP_AXIS)
     expert_specs = {
-        "wi_0": routed._logical_to_mesh_axes(routed.wi_kernel_axes),
-        "wi_1": routed._logical_to_mesh_axes(routed.wi_kernel_axes),
-        "wo": routed._logical_to_mesh_axes(routed.wo_kernel_axes),
+        n: routed._logical_to_mesh_axes(routed.wo_kernel_axes if n == "wo" else routed.wi_kernel_axes)
+        for n in expert_keys(params)
     }
     out, routing = expert_parallel.ep_routed_sharded(
         params,

@@ -20,7 +20,7 @@ from conftest import rel
 from maxtext_moe.errors import UserError
 from maxtext_moe.moe import expert_parallel, receive, send_plan
 from maxtext_moe.moe.exchange import exchange
-from maxtext_moe.moe.layer import MoEConfig, init_params, moe_forward
+from maxtext_moe.moe.layer import MoEConfig, fuse_up, init_params, moe_forward
 from maxtext_moe.moe.reference import moe_reference
 from maxtext_moe.moe.routing import RoutingConfig
 from maxtext_moe.moe.settings import EP_AXIS, ExpertPath
@@ -53,6 +53,15 @@ def test_emulated_ep_matches_single_device_layer_and_reference(ranks: int, dedup
     assert y.shape == x.shape
     assert rel(y, y_one) < 1e-6
     assert rel(y, moe_reference(params, x, CFG)) < 1e-5
+
+
+def test_emulated_ep_splits_a_fused_up_projection_over_the_ranks() -> None:
+    """MaxText's `prefuse_moe_weights` tree (one `wi` for wi_0 and wi_1) is split over the ranks by expert, as
+    wi_0 and wi_1 are: the same output as unfused."""
+    params = init_params(jax.random.key(2), CFG, jnp.float32)
+    fused = {**params, "MoeBlock_0": fuse_up(params["MoeBlock_0"])}
+    x = jax.random.normal(jax.random.key(12), (TOKENS, CFG.emb_dim))
+    assert rel(ep_forward(4, True)(fused, x)[0], ep_forward(4, True)(params, x)[0]) < 1e-6
 
 
 @pytest.mark.parametrize("dedup", [True, False])
@@ -206,7 +215,7 @@ _TWO_CPU_DEVICES = textwrap.dedent("""
     from jax.sharding import Mesh
     from maxtext_moe.errors import UserError
     from maxtext_moe.moe import expert_parallel
-    from maxtext_moe.moe.layer import MoEConfig, init_params, moe_forward
+    from maxtext_moe.moe.layer import MoEConfig, fuse_up, init_params, moe_forward
     from maxtext_moe.moe.routing import RoutingConfig
     from maxtext_moe.moe.settings import EP_AXIS, ExpertPath
 

@@ -12,7 +12,7 @@ from conftest import rel
 
 from maxtext_moe.errors import UserError
 from maxtext_moe.moe import gemm
-from maxtext_moe.moe.layer import MoEConfig, init_params, moe_forward, sort_by_expert
+from maxtext_moe.moe.layer import MoEConfig, fuse_up, init_params, moe_forward, sort_by_expert
 from maxtext_moe.moe.reference import moe_reference
 from maxtext_moe.moe.routing import RoutingConfig
 from maxtext_moe.moe.settings import ExpertPath
@@ -55,6 +55,28 @@ def test_gradients_match_reference_and_are_finite() -> None:
             assert not np.asarray(a).any()  # the bias is updated outside the optimizer
         else:
             assert rel(a, b) < 1e-4, path
+
+
+def fused(params: dict) -> dict:
+    """The same layer in MaxText's `prefuse_moe_weights` tree: one `wi` for wi_0 and wi_1."""
+    return {**params, "MoeBlock_0": fuse_up(params["MoeBlock_0"])}
+
+
+def test_fused_up_weights_are_the_same_layer() -> None:
+    """One `wi` [E, D, 2F] holds wi_0 then wi_1: the layer's output is unchanged, and wi's gradient is wi_0's
+    and wi_1's side by side (so AdamW moves the same weights)."""
+    params = init_params(jax.random.key(4), CFG, jnp.float32)
+    x = jax.random.normal(jax.random.key(5), (64, CFG.emb_dim))
+    cot = jax.random.normal(jax.random.key(6), x.shape)
+    loss = lambda p, x: jnp.sum(moe_forward(p, x, CFG, ExpertPath())[0] * cot)  # noqa: E731
+    fp = fused(params)
+    assert set(fp["MoeBlock_0"]) == {"gate", "wi", "wo"}
+    assert fp["MoeBlock_0"]["wi"].shape == (16, CFG.emb_dim, 2 * CFG.moe_mlp_dim)
+    np.testing.assert_array_equal(moe_forward(fp, x, CFG)[0], moe_forward(params, x, CFG)[0])
+    assert rel(moe_forward(fp, x, CFG)[0], moe_reference(fp, x, CFG)) < 1e-5
+    g, g_fused = jax.jit(jax.grad(loss))(params, x), jax.jit(jax.grad(loss))(fp, x)
+    np.testing.assert_array_equal(g_fused["MoeBlock_0"]["wi"], fuse_up(g["MoeBlock_0"])["wi"])
+    np.testing.assert_array_equal(g_fused["MoeBlock_0"]["wo"], g["MoeBlock_0"]["wo"])
 
 
 def test_dropless_check_rejects_out_of_range_experts() -> None:
