@@ -8,13 +8,17 @@ give the names, the stacking (layers, experts) and the transposes; they are used
 - the router's `e_score_correction_bias` where the recipe updates it (aux-loss-free balancing): MaxText keeps
   it in the `MoEBiasVar` collection, not under `params-`, where the mapping puts it;
 - the order in which one array's slices arrive: each `Target` lists its slices so they can be written one at
-  a time (MaxText's converter stacks the whole array in memory first).
+  a time (MaxText's converter stacks the whole array in memory first);
+- MaxText's `prefuse_moe_weights` tree, whose one routed-expert `wi` holds DeepSeek's `gate_proj` in the first
+  half of its last axis and `up_proj` in the second (MaxText's mapping names wi_0 and wi_1 only).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from maxtext_moe.moe.layer import FUSED_UP
 
 MOE_BIAS = "MoEBiasVar-"
 # Where MaxText's NNX training state saves non-parameter collections such as `MoEBiasVar`.
@@ -42,7 +46,11 @@ class Target:
 
     @property
     def chunk(self) -> tuple[int, ...]:
-        return tuple(1 if i in self.axes else n for i, n in enumerate(self.shape))
+        """One slice's extent in the array: 1 on a stacked axis, a part of a split axis, else the whole axis."""
+        return tuple(
+            1 if isinstance(i, int) else len(range(*i.indices(n)))
+            for i, n in zip(self.slices[0].index, self.shape, strict=True)
+        )
 
 
 def _mtp(hf_config: dict, mt_config: Any, layers: int, to_hf: bool) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -107,6 +115,20 @@ def _slices(sources: Any, axes: tuple[int, ...], shape: tuple[int, ...]) -> tupl
     return tuple(walk(sources, ()))
 
 
+def _fused_up(key: str, shape: tuple[int, ...], dtype: Any, mapping: dict, hooks: dict, mt_config: Any) -> Target:
+    """The `prefuse_moe_weights` array `...-MoeBlock_0-wi` [..., D, 2F] from MaxText's mapping of wi_0 (its first
+    half of the last axis) and wi_1 (the second), each Hugging Face tensor hooked as MaxText hooks wi_0 and wi_1."""
+    half = shape[-1] // 2
+    gate, up = mapping[f"{key}_0"], mapping[f"{key}_1"]
+    axes = _stack_axes(f"{key}_0", gate, shape, mt_config)
+    slices = [
+        Slice((*s.index[:-1], part), s.hf_key, s.shape)
+        for sources, part in ((gate, slice(0, half)), (up, slice(half, shape[-1])))
+        for s in _slices(sources, axes, (*shape[:-1], half))
+    ]
+    return Target(key, shape, dtype, axes, tuple(slices), hooks.get(f"{key}_0"))
+
+
 def targets(
     hf_config: dict, mt_config: Any, params: dict[str, tuple[tuple[int, ...], Any]], to_hf: bool = False
 ) -> list[Target]:
@@ -125,11 +147,15 @@ def targets(
         moved = MOE_BIAS + key.removeprefix("params-")
         if key not in params and moved in params:
             mapping[moved] = mapping.pop(key)
-    unmapped = sorted(set(params) - set(mapping))
+    fused = {k for k in params if k.endswith(f"-MoeBlock_0-{FUSED_UP}") and f"{k}_0" in mapping}
+    unmapped = sorted(set(params) - set(mapping) - fused)
     if unmapped:
         raise ValueError(f"no Hugging Face source for MaxText parameters {unmapped}")
     out = []
     for key, (shape, dtype) in params.items():
+        if key in fused:
+            out.append(_fused_up(key, shape, dtype, mapping, hooks, mt_config))
+            continue
         axes = () if isinstance(mapping[key], str) else _stack_axes(key, mapping[key], shape, mt_config)
         out.append(Target(key, shape, dtype, axes, _slices(mapping[key], axes, shape), hooks.get(key)))
     return out

@@ -115,8 +115,13 @@ def test_converted_model_gives_transformers_logits(hf, converted, tmp_path):
     _assert_close(_maxtext_logits(out, [], tmp_path), hf[1], ATOL)
 
 
-def test_unscanned_conversion_for_our_block_gives_transformers_logits_and_round_trips(hf, tmp_path):
-    overrides = ["scan_layers=false", "moe.impl=ours"]
+@pytest.mark.parametrize(
+    "overrides",
+    [["scan_layers=false", "moe.impl=ours"], ["moe.impl=ours", "prefuse_moe_weights=true"]],
+    ids=["unscanned", "fused-up-weights"],
+)
+def test_conversion_for_our_block_gives_transformers_logits_and_round_trips(hf, tmp_path, overrides):
+    """Unscanned layers, and MaxText's `prefuse_moe_weights` tree (gate_proj and up_proj in one `wi`)."""
     out = tmp_path / "orbax"
     r = run_cli("convert", "hf-to-orbax", str(hf[0]), str(out), "--recipe", RECIPE, *overrides, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
