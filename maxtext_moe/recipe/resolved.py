@@ -39,6 +39,9 @@ _CHECKPOINT_SHAPE_KEYS = (
     "q_lora_rank",
     "kv_lora_rank",
 )
+# Keys that change the parameter tree only when set (MaxText's fused expert up-projection, one `wi` for wi_0 and
+# wi_1): they join the identity only then, so that run folders written before they were known keep theirs.
+_CHECKPOINT_TREE_SWITCHES = ("prefuse_moe_weights",)
 
 # Keys that change the optimizer state's tree in MaxText's `optimizers.get_optimizer`: its optax chain
 # (opt_type), the spike-skipping wrapper's extra state (its buffers hold skip_step_interval steps), and the
@@ -127,6 +130,7 @@ class ResolvedRecipe:
             maxtext_keys.model_defaults(str(self.maxtext.get("model_name", "default")))
         )
         shape = {k: self.effective(k) for k in sorted(keys)}
+        shape |= {k: True for k in _CHECKPOINT_TREE_SWITCHES if self.effective(k) is True}
         digest = hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:16]
         optimizer = {k: self.effective(k) for k in _OPTIMIZER_STATE_KEYS}
         return {"recipe": self.name, "model_digest": digest, "model": shape, "optimizer": optimizer} | self.schedule()

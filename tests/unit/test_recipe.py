@@ -457,3 +457,13 @@ def test_attention_kernel_fa3_needs_the_cudnn_path_it_replaces_and_hopper():
     assert "set attention: cudnn_flash_jax" in wrong_path
     blackwell = error_of("deepseek3-671b-gb200-128", "attention.kernel=fa3", "attention=cudnn_flash_jax")
     assert "built for Hopper (sm_90a); topology.hardware is gb200" in blackwell
+
+
+def test_fused_expert_weights_change_the_checkpoint_identity_and_unfused_keeps_it():
+    """MaxText's `prefuse_moe_weights` stores one `wi` for wi_0 and wi_1: a checkpoint of either tree does not
+    restore into the other. Off, the identity is what it was before the key was known (existing run folders)."""
+    before = compose_resolve(TINY).checkpoint_identity()
+    assert "prefuse_moe_weights" not in before["model"]
+    assert compose_resolve(TINY, "prefuse_moe_weights=false").checkpoint_identity() == before
+    fused = compose_resolve(TINY, "prefuse_moe_weights=true").checkpoint_identity()
+    assert fused["model"]["prefuse_moe_weights"] is True and fused["model_digest"] != before["model_digest"]
