@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import rel
 
-from maxtext_moe.moe.layer import MoEConfig, init_params, moe_forward
+from maxtext_moe.moe.layer import MoEConfig, fuse_up, init_params, moe_forward
 from maxtext_moe.moe.reference import moe_reference
 from maxtext_moe.moe.routing import RoutingConfig
 from maxtext_moe.moe.settings import ExpertPath
@@ -56,6 +56,22 @@ def check_against_reference(
 @pytest.mark.parametrize("backend", ["ragged_dot", "tokamax", "te"])
 def test_backend_forward_and_grad_close_to_reference(backend: str) -> None:
     check_against_reference(CFG, ExpertPath(backend=backend), BF16_TOL)
+
+
+@pytest.mark.parametrize("fp8", ["none", "current_scaling"])
+def test_te_on_the_fused_up_weights_gives_what_it_gives_unfused(fp8: str) -> None:
+    """MaxText's `prefuse_moe_weights` tree (one `wi`) on TE's grouped GEMM: the same output and gradients as
+    wi_0 and wi_1 concatenated in the step (one FP8 scale for both either way)."""
+    params = init_params(jax.random.key(0), CFG, jnp.bfloat16)
+    fused = {**params, "MoeBlock_0": fuse_up(params["MoeBlock_0"])}
+    x = jax.random.normal(jax.random.key(1), (1024, CFG.emb_dim), jnp.bfloat16)
+    path = ExpertPath(backend="te", fp8=fp8)
+    loss = lambda p, x: jnp.sum(moe_forward(p, x, CFG, path)[0].astype(jnp.float32) ** 2)  # noqa: E731
+    g, g_fused = jax.jit(jax.grad(loss, (0, 1)))(params, x), jax.jit(jax.grad(loss, (0, 1)))(fused, x)
+    np.testing.assert_array_equal(np.asarray(g_fused[1], np.float32), np.asarray(g[1], np.float32))
+    want = fuse_up(g[0]["MoeBlock_0"])["wi"]
+    np.testing.assert_array_equal(np.asarray(g_fused[0]["MoeBlock_0"]["wi"], np.float32), np.asarray(want, np.float32))
+    assert float(jnp.abs(want.astype(jnp.float32)).max()) > 0
 
 
 def test_te_fp8_current_scaling_close_to_reference() -> None:
