@@ -33,8 +33,11 @@ from maxtext_moe.moe.settings import BACKENDS, FP8_MODES, Backend, Fp8, Fp8Cast
 from maxtext_moe.upstream import te, te_group_scales
 from maxtext_moe.upstream.opaque_vjp import opaque_vjp
 
-# TE's FP8 grouped GEMM on Hopper asserts `lda % 16 == 0` per group: each group's rows padded to a multiple.
-FP8_GROUP_ALIGN = 16
+# TE's FP8 grouped GEMM on Hopper asserts `lda % 16 == 0` per group; TE casts a group with its tuned kernel only
+# when its rows are a multiple of 32, and sends the others to a general one (45 ms a step on the FP8 proxy).
+# Groups padded to 32 rows: 1.290 s a step against 1.310 s at 16 on one H200, with the fused up-projection tree
+# (docs/PERFORMANCE.md).
+FP8_GROUP_ALIGN = 32
 # MXFP8 scales cover 32-element blocks and TE tiles them 128 rows at a time: groups padded to 128 rows.
 MXFP8_GROUP_ALIGN = 128
 # The remat name of what TE's FP8 grouped GEMM keeps for its backward pass: the transposed FP8 casts of its
