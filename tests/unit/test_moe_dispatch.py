@@ -215,7 +215,7 @@ _TWO_CPU_DEVICES = textwrap.dedent("""
     from jax.sharding import Mesh
     from maxtext_moe.errors import UserError
     from maxtext_moe.moe import expert_parallel
-    from maxtext_moe.moe.layer import MoEConfig, fuse_up, init_params, moe_forward
+    from maxtext_moe.moe.layer import MoEConfig, init_params, moe_forward
     from maxtext_moe.moe.routing import RoutingConfig
     from maxtext_moe.moe.settings import EP_AXIS, ExpertPath
 
