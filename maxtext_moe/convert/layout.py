@@ -34,13 +34,12 @@ class Slice:
 
 @dataclass(frozen=True)
 class Target:
-    """One MaxText array: its key, shape and dtype, the axes its Hugging Face tensors are stacked on, and the
-    hook (MaxText's) that turns one Hugging Face tensor into one block."""
+    """One MaxText array: its key, shape and dtype, the slices its Hugging Face tensors fill, and the hook
+    (MaxText's) that turns one Hugging Face tensor into one block."""
 
     key: str
     shape: tuple[int, ...]
     dtype: Any
-    axes: tuple[int, ...]
     slices: tuple[Slice, ...]
     hook: Any
 
@@ -126,7 +125,7 @@ def _fused_up(key: str, shape: tuple[int, ...], dtype: Any, mapping: dict, hooks
         for sources, part in ((gate, slice(0, half)), (up, slice(half, shape[-1])))
         for s in _slices(sources, axes, (*shape[:-1], half))
     ]
-    return Target(key, shape, dtype, axes, tuple(slices), hooks.get(f"{key}_0"))
+    return Target(key, shape, dtype, tuple(slices), hooks.get(f"{key}_0"))
 
 
 def targets(
@@ -157,7 +156,7 @@ def targets(
             out.append(_fused_up(key, shape, dtype, mapping, hooks, mt_config))
             continue
         axes = () if isinstance(mapping[key], str) else _stack_axes(key, mapping[key], shape, mt_config)
-        out.append(Target(key, shape, dtype, axes, _slices(mapping[key], axes, shape), hooks.get(key)))
+        out.append(Target(key, shape, dtype, _slices(mapping[key], axes, shape), hooks.get(key)))
     return out
 
 
