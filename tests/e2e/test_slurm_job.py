@@ -102,13 +102,22 @@ def _records(run: Path) -> dict[int, watchdog.Record]:
     return {r["process"]: watchdog.Record(**r) for r in records}
 
 
-def _wait_for(what, timeout: float, every: float = 0.2):
+def _wait_for(what, timeout: float, every: float = 0.2, job: tuple | None = None):
+    """`what()` once it is truthy. On a timeout, given `job` (cluster, script, id), the message holds the job's
+    state, the nodes' states and the end of its output: a job that never started, one that stalled and one
+    that restarted look alike from the heartbeats alone."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         if value := what():
             return value
         time.sleep(every)
-    raise TimeoutError(f"not reached in {timeout} s: {what.__doc__ or what}")
+    why = ""
+    if job:
+        cluster, script, job_id = job
+        nodes = cluster.run("sinfo", "-h", "-N", "-o", "%N %T %E", check=False).stdout
+        why = f"\njob {job_id}: {cluster.state(job_id)}; nodes:\n{nodes}{_output(script, job_id)[-3000:]}"
+        why += cluster.log_tail()
+    raise TimeoutError(f"not reached in {timeout} s: {what.__doc__ or what}{why}")
 
 
 def _at_step(run: Path, attempt: int, step: int):
@@ -161,7 +170,7 @@ def test_lost_and_hung_processes_end_the_attempt_and_the_job_restarts_in_place(c
     )
 
     # A lost process: every other one is gone within SLURM's KillWait of the loss, and the job says which.
-    recs = _wait_for(_at_step(run, 0, 3), JOB_TIMEOUT_S)
+    recs = _wait_for(_at_step(run, 0, 3), JOB_TIMEOUT_S, job=(cluster, script, job))
     victim = recs[2]
     os.kill(victim.pid, signal.SIGKILL)
     killed = time.time()
@@ -170,14 +179,14 @@ def test_lost_and_hung_processes_end_the_attempt_and_the_job_restarts_in_place(c
     assert lost_s < slurm_cluster.KILL_WAIT_S + 5
 
     # A stopped process: the others' watchdogs end the attempt and name it.
-    recs = _wait_for(_at_step(run, 1, 5), JOB_TIMEOUT_S)
+    recs = _wait_for(_at_step(run, 1, 5), JOB_TIMEOUT_S, job=(cluster, script, job))
     os.kill(recs[1].pid, signal.SIGSTOP)
     stopped = time.time()
     verdict = _wait_for(lambda: [r for r in _records(run).values() if r.attempt == 1 and r.verdict], 120)
     stopped_s = min(r.updated for r in verdict) - stopped
 
     # A process that never arrives at the collectives of step 9 (attempt 2) is named by its step.
-    _wait_for(_at_step(run, 3, hang_step + 1), JOB_TIMEOUT_S)
+    _wait_for(_at_step(run, 3, hang_step + 1), JOB_TIMEOUT_S, job=(cluster, script, job))
     out = _finished(cluster, script, job)
     lines = [line for line in out.splitlines() if line.startswith(("maxtext-moe:", f"maxtext-moe job {job}"))]
     print("\n".join(lines))
@@ -209,7 +218,7 @@ def test_time_limit_warning_checkpoints_requeues_and_resumes(cluster, script, re
     runs = tmp_path / "runs"
     run = runs / RECIPE
     job = _submit(cluster, script, runs)
-    _wait_for(_at_step(run, 0, 4), JOB_TIMEOUT_S)
+    _wait_for(_at_step(run, 0, 4), JOB_TIMEOUT_S, job=(cluster, script, job))
     cluster.run("scancel", "-b", "--signal=USR1", str(job))
     _wait_for(lambda: "requeued to resume" in _output(script, job), 180)
     out = _finished(cluster, script, job)
