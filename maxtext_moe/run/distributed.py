@@ -27,6 +27,7 @@ is accepted too. Anything else is refused.
 from __future__ import annotations
 
 import os
+import random
 import re
 import socket
 from collections.abc import Iterator, Mapping
@@ -201,8 +202,30 @@ def initialize(topology: Topology | None, *, timeout_s: int = 300) -> ProcessSpe
     return spec
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
 def free_port() -> int:
-    """A loopback port nobody listens on now, for a coordinator on this machine (tests use it too)."""
+    """A loopback port nobody listens on now, for a coordinator on this machine (tests use it too).
+
+    Chosen between the kernel's ephemeral range and JAX's SLURM ports, where Linux leaves a gap (61000-61439
+    by default): a port the kernel hands out for a bind to port 0 is one it also gives to outgoing
+    connections, so between this call and the coordinator's own bind, seconds later in another process,
+    any connection on the machine (SLURM's daemons talk on loopback all the time) may take it, and the
+    coordinator fails to start. Elsewhere, or with no gap, the kernel's choice."""
+    try:
+        high = int(EPHEMERAL_RANGE.read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        high = SLURM_PORT_BASE
+    candidates = list(range(high + 1, SLURM_PORT_BASE))
+    random.shuffle(candidates)
+    for port in candidates:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -247,3 +247,26 @@ def test_a_process_stopped_by_process_0s_failure_gives_its_fix_once(monkeypatch)
     with pytest.raises(UserError) as e, distributed.leader_first(spec, "run folder"):
         pass
     assert str(e.value).count("Fix:") == 1 and str(e.value).endswith("Fix: wait for it.")
+
+
+def test_a_coordinator_port_is_not_one_the_kernel_gives_outgoing_connections(tmp_path, monkeypatch):
+    """A coordinator binds its port seconds after it is chosen, in another process: a port from the kernel's
+    ephemeral range may meanwhile go to any outgoing connection, so it comes from the gap above that range and
+    below JAX's SLURM ports; with no port of the gap free, the kernel's choice."""
+    import socket
+
+    from maxtext_moe.run import distributed
+
+    low, high = map(int, distributed.EPHEMERAL_RANGE.read_text().split())
+    if high + 1 >= distributed.SLURM_PORT_BASE:
+        pytest.skip(f"this machine's ephemeral ports ({low}-{high}) leave no gap below JAX's SLURM ports")
+    assert all(high < distributed.free_port() < distributed.SLURM_PORT_BASE for _ in range(20))
+
+    last = distributed.SLURM_PORT_BASE - 1
+    narrow = tmp_path / "ip_local_port_range"
+    narrow.write_text(f"{low} {last - 1}\n")  # a gap of one port, held below
+    monkeypatch.setattr(distributed, "EPHEMERAL_RANGE", narrow)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", last))
+        port = distributed.free_port()
+    assert port != last and low <= port <= high
