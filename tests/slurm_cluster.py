@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from maxtext_moe.run.distributed import free_port
+
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue")
 KILL_WAIT_S = 10  # SIGTERM to SIGKILL when SLURM ends a step: the time a process has to save and stop
 # A job credential's lifetime, which is also how long a requeued job waits before it starts again (120 s by default;
@@ -30,14 +32,12 @@ def missing() -> list[str]:
 
 
 def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """n distinct ports for the daemons, which bind them in processes of their own, as a coordinator does."""
+    ports: list[int] = []
+    while len(ports) < n:
+        if (port := free_port()) not in ports:
+            ports.append(port)
+    return ports
 
 
 CONF = """\

@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import jax
 import pytest
 
+from maxtext_moe.run.distributed import free_port
 from maxtext_moe.tools import doctor, library_versions
 
 WORKER = Path(__file__).with_name("nccl_ep_worker.py")
@@ -35,16 +35,10 @@ def _nccl_ep_missing() -> str | None:
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_nccl_ep_missing() is not None, reason=str(_nccl_ep_missing()))]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def found(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("nccl_ep") / "found.json"
-    port, procs, logs = _free_port(), [], []
+    port, procs, logs = free_port(), [], []
     for i in range(2):
         env = dict(
             os.environ,
