@@ -69,11 +69,11 @@ def run_one(variant: str, name: str, m: int, k: int, n: int, count: int, warmup:
     cot = jax.random.normal(keys[2], (m, n), jnp.bfloat16)
     project = projection_fn(variant)
     rows = min(m, 1024)  # the check on the first rows: a float32 copy of every operand would not fit beside them
-    (dw, dx), y = grad_fn(lambda w, x: project(x, w), cot[:rows])(w, x[:rows])
+    step = grad_fn(lambda w, x: project(x, w))
+    (dw, dx), y = step(w, x[:rows], cot[:rows])
     x32, w32 = x[:rows].astype(jnp.float32), w.astype(jnp.float32)
-    (dw_ref, dx_ref), y_ref = grad_fn(lambda w, x: x @ w, cot[:rows].astype(jnp.float32))(w32, x32)
-    step = grad_fn(lambda w, x: project(x, w), cot)
-    timed = time_fn(lambda: step(w, x), warmup, iters)
+    (dw_ref, dx_ref), y_ref = grad_fn(lambda w, x: x @ w)(w32, x32, cot[:rows].astype(jnp.float32))
+    timed = time_fn(lambda: step(w, x, cot), warmup, iters)
     flops = 3 * 2.0 * m * k * n  # forward, input gradient, weight gradient
     return {
         "variant": variant,

@@ -5,6 +5,7 @@ maxtext_moe.tools.profile` from the trace on disk."""
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -145,6 +146,30 @@ def test_attention_benchmark_checks_and_times_causal_attention(tmp_path):
     assert res["forward_tflops"] == pytest.approx(causal_fwd / (fwd * 1e-3) / 1e12)
     assert res["backward_tflops"] == pytest.approx(2 * causal_fwd / ((both - fwd) * 1e-3) / 1e12)
     assert "rel err out" in r.stdout
+
+
+def test_layer_benchmarks_take_the_cotangent_as_an_argument_not_a_compiled_constant():
+    """The layer benchmarks' timed step (`grad_fn`) gets the output's cotangent as an argument. Closed over, it
+    became a literal in the HLO, and XLA folded what reads it at compile time: TE's amax of the output gradient
+    was constant-folded for minutes on an H200 (32768 x 24576), and a folded amax is a cast the step no longer
+    times."""
+    import jax
+    import jax.numpy as jnp
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from bench_moe_layer import grad_fn
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    w, x = jnp.ones((32, 32), jnp.bfloat16), jnp.ones((64, 32), jnp.bfloat16)
+    cot = jax.random.normal(jax.random.key(2), (64, 32), jnp.float32)
+    step = grad_fn(lambda w, x: x @ w)
+    hlo = step.lower(w, x, cot).as_text()
+    literals = re.findall(r"constant dense<[^>]*>", hlo)
+    assert max(map(len, literals), default=0) < 100, "a tensor-sized literal in the timed step's HLO"
+    (_, dx), _ = step(w, x, cot)
+    expected = cot @ w.T.astype(jnp.float32)
+    assert jnp.linalg.norm(dx.astype(jnp.float32) - expected) < 1e-2 * jnp.linalg.norm(expected)
 
 
 def test_dense_benchmark_checks_each_projection_against_float32(tmp_path):
