@@ -59,6 +59,9 @@ def _bench_settings(d: dict) -> str:
         out.append(f"attention.residuals={residuals}")
     if (kernel := (d.get("attention") or {}).get("kernel")) not in (None, "cudnn"):
         out.append(f"attention.kernel={kernel}")
+    if projections := (d.get("attention") or {}).get("bf16_projections"):
+        out.append(f"attention.bf16_projections=[{','.join(projections)}]")
+    out += [f"{key}=true" for key in ("prefuse_moe_weights", "use_sliced_mla_proj") if s.get(key)]
     if d.get("variant"):  # a change of source the settings do not show, written into the file by hand
         out.append(d["variant"])
     if s.get("n_routing_groups", -1) in (-1, None) or not s.get("mtp_num_layers"):
