@@ -2,7 +2,7 @@
 # Fresh machine -> lint (ruff check, ruff format --check), then the full test suite (CPU), SLURM's included.
 # Extra arguments go to pytest, e.g. scripts/test.sh -m "not slow"; the tests run in three pytest-xdist workers on
 # two cores, since the SLURM jobs and the fault tests spend much of their time waiting (a watchdog's timeout, SLURM's
-# KillWait and requeue hold): 18 minutes of pytest against 24 with two workers on this 2-core machine. -n 0 for one.
+# KillWait and requeue hold): about 23 minutes of pytest on a 2-core machine, the two CPUs about 60% busy. -n 0 for one.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 py=$("$root/scripts/setup.sh" | tail -n 1)
