@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import struct
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import sysconfig
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pytest
@@ -21,6 +23,17 @@ TEXTS = [STDLIB / "json" / "encoder.py", STDLIB / "json" / "decoder.py", STDLIB 
 
 # Small enough for a few seconds per step on 2 cores, big enough that loss moves.
 FAST = ["per_device_batch_size=2", "max_target_length=128", "log_period=5"]
+
+
+def benchmark(name: str) -> ModuleType:
+    """A script of benchmarks/ as a module. The folder is no package (its scripts import each other by name, as
+    `python benchmarks/X.py` finds them), so it is on sys.path for the import alone."""
+    folder = str(REPO / "benchmarks")
+    sys.path.insert(0, folder)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(folder)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import FAST, REPO, read_metrics, run_cli
+from conftest import FAST, REPO, benchmark, read_metrics, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -156,11 +156,7 @@ def test_layer_benchmarks_take_the_cotangent_as_an_argument_not_a_compiled_const
     import jax
     import jax.numpy as jnp
 
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        from bench_moe_layer import grad_fn
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
+    grad_fn = benchmark("bench_moe_layer").grad_fn
     w, x = jnp.ones((32, 32), jnp.bfloat16), jnp.ones((64, 32), jnp.bfloat16)
     cot = jax.random.normal(jax.random.key(2), (64, 32), jnp.float32)
     step = grad_fn(lambda w, x: x @ w)
@@ -199,10 +195,10 @@ def test_dense_benchmark_checks_each_projection_against_float32(tmp_path):
 
 def test_attention_reference_is_causal():
     """The yardstick masks the future: changing the last key and value moves only the last query's output."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
     import jax
     import jax.numpy as jnp
-    from bench_attention import reference
+
+    reference = benchmark("bench_attention").reference
 
     q, k, v = (jax.random.normal(jax.random.key(i), (1, 8, 2, 4)) for i in range(3))
     base = reference(q, k, v, 0.5)

@@ -233,20 +233,16 @@ def test_receive_side_as_the_block_runs_it_equals_the_formulation_through_every_
     """One EP8 rank's receive side (rows with 8 expert slots, about one of them this rank's) through TE: the
     block's gathers (`receive.expand_reduce`) and the direct formulation through a row for every slot
     (benchmarks/bench_receive.py's `every_slot`) give the same loss and gradients in every input."""
-    import sys
-
-    from conftest import REPO
-
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from bench_receive import every_slot, receive_case
+    from conftest import benchmark
 
     from maxtext_moe.moe import receive
 
-    x, experts, row_experts, row_weights, cap = receive_case(jax.random.key(0), 2048, 8, 8, 8, 1024, 256)
+    bench_receive = benchmark("bench_receive")
+    x, experts, row_experts, row_weights, cap = bench_receive.receive_case(jax.random.key(0), 2048, 8, 8, 8, 1024, 256)
     path = ExpertPath(backend="te")
     forms = (
         lambda x, e, w: receive.expand_reduce(x, row_experts, w, e, path, cap)[0],
-        lambda x, e, w: every_slot(x, row_experts, w, e, path, cap),
+        lambda x, e, w: bench_receive.every_slot(x, row_experts, w, e, path, cap),
     )
     loss_and_grads = [
         jax.jit(jax.value_and_grad(lambda x, e, w, fn=fn: jnp.sum(fn(x, e, w).astype(jnp.float32)), (0, 1, 2)))(

@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, benchmark
 
 from maxtext_moe.recipe import composition
 
@@ -60,11 +59,7 @@ def test_relative_links_resolve(doc):
 
 def test_the_results_index_is_what_the_script_writes():
     """docs/results/INDEX.md is generated from the JSON beside it: a new or changed result needs the script run."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import results_index
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
+    results_index = benchmark("results_index")
     committed = (REPO / "docs" / "results" / "INDEX.md").read_text(encoding="utf-8")
     assert committed == results_index.render(), "docs/results/INDEX.md is stale: run python benchmarks/results_index.py"
 
