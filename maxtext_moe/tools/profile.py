@@ -14,7 +14,10 @@ op is looked up for its `op_name`, the JAX name stack, and the time is also spli
 shuffles (its named scopes, `moe/scopes.py`), quantization, the optimizer update (ops outside the
 differentiated model) and communication. Idle time is left to the caller, who knows the step time:
 the traced span can hold the profiler's own start and stop (`bench` measured one 20 s longer than the
-two steps it traced).
+two steps it traced). Where the device ran dry is listed, though: each gap between kernels on a GPU, up to
+`GAP_CAP_MS` (longer ones are the profiler's own), is put down to the HLO op whose kernel ended last before
+it. A TE custom call that copies its group sizes to the host and waits for the stream leaves such a gap
+behind it, which the kernel table cannot show.
 
     python -m maxtext_moe.tools.profile runs/RUN --top 25 --out summary.json
 """
@@ -59,6 +62,9 @@ STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 BACKWARD = ("bprop", "bwd", "backward", "dgrad", "wgrad")
 _KERNEL_NAME = re.compile(r"[.\-]")
+# Gaps longer than this between a GPU's kernels are the profiler starting or stopping, not the step running dry.
+GAP_CAP_MS = 100.0
+_NUMBERED = re.compile(r"[.\-_]\d+$")
 _OP_NAME = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?metadata=\{[^}]*op_name="([^"]*)"')
 
 
@@ -134,6 +140,24 @@ def busy_ns(intervals: list[tuple[int, int]]) -> int:
     return covered
 
 
+def gaps_after(events: list[tuple[int, int, str]], cap_ns: int) -> dict[str, tuple[float, int]]:
+    """Idle time on one device, by the op whose kernel ended last before each gap: {op: (ms, gaps)}.
+
+    `events` are (start, end, op) of every kernel of the device, on any stream; the device is idle where none
+    runs. Ops are named without their instance number (`te_grouped_gemm_ffi.12` -> `te_grouped_gemm_ffi`), so
+    the 30 calls of one kind add up. Gaps of `cap_ns` or more are left out."""
+    out: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    reach, last_op = None, ""
+    for start, end, op in sorted(events):
+        if reach is not None and start > reach and start - reach < cap_ns:
+            row = out[last_op]
+            row[0] += (start - reach) / 1e6
+            row[1] += 1
+        if reach is None or end > reach:
+            reach, last_op = end, _NUMBERED.sub("", op) or "(no hlo_op)"
+    return {op: (ms, int(n)) for op, (ms, n) in sorted(out.items(), key=lambda kv: -kv[1][0])}
+
+
 def summarize(trace: Path, top: int, hlo: Path | None = None) -> dict[str, Any]:
     """Kernel time by category, kernel and HLO op; with `hlo` (the step's optimized HLO text) also by
     `stage` of the step."""
@@ -151,8 +175,10 @@ def summarize(trace: Path, top: int, hlo: Path | None = None) -> dict[str, Any]:
     by_stage: collections.Counter[str] = collections.Counter()
     first, last = float("inf"), 0.0
     per_plane = []
+    idle_after: collections.Counter[str] = collections.Counter()
+    idle_gaps: collections.Counter[str] = collections.Counter()
     for plane in planes:
-        spans = []
+        spans, events = [], []
         for line in plane.lines:
             for ev in line.events:
                 stats = dict(ev.stats)
@@ -166,6 +192,11 @@ def summarize(trace: Path, top: int, hlo: Path | None = None) -> dict[str, Any]:
                 if names:
                     by_stage[stage(ev.name, op, op_name_of(ev.name, op, names))] += ms
                 spans.append((ev.start_ns, ev.start_ns + ev.duration_ns))
+                events.append((*spans[-1], op))
+        if source == "GPU kernels":
+            for op, (ms, n) in gaps_after(events, int(GAP_CAP_MS * 1e6)).items():
+                idle_after[op] += ms
+                idle_gaps[op] += n
         if spans:
             first, last = min(first, min(s for s, _ in spans)), max(last, max(e for _, e in spans))
             span = max(e for _, e in spans) - min(s for s, _ in spans)
@@ -192,6 +223,7 @@ def summarize(trace: Path, top: int, hlo: Path | None = None) -> dict[str, Any]:
         "stages": by_stage.most_common(),
         "kernels": by_kernel.most_common(top),
         "hlo_ops": by_op.most_common(top),
+        "idle_after": [(op, ms, idle_gaps[op]) for op, ms in idle_after.most_common(top)],
     }
 
 
@@ -211,6 +243,10 @@ def render(s: dict[str, Any]) -> str:
     for title, rows in (*stages, ("category", s["categories"]), ("kernel", s["kernels"]), ("HLO op", s["hlo_ops"])):
         lines.append(f"{'ms':>10} {'share':>6}  {title}")
         lines += [f"{ms:>10.2f} {ms / s['total_ms']:>6.1%}  {name[:110]}" for name, ms in rows]
+        lines.append("")
+    if s.get("idle_after"):
+        lines.append(f"{'ms':>10} {'gaps':>6}  device idle after (gaps under {GAP_CAP_MS:.0f} ms)")
+        lines += [f"{ms:>10.2f} {n:>6}  {op[:110]}" for op, ms, n in s["idle_after"]]
         lines.append("")
     return "\n".join(lines)
 

@@ -71,3 +71,21 @@ def test_tes_single_kernel_grouped_gemm_inside_a_command_buffer_counts_as_expert
     assert profile.stage(kernel, "te_grouped_gemm_ffi.340", "") == "expert GEMMs"
     assert profile.category(kernel, "command_buffer_849") == "TE (grouped GEMM, quantize)"
     assert profile.stage("nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_TNN", "command_buffer_849", "") == "dense GEMMs"
+
+
+def test_idle_gaps_are_put_down_to_the_op_that_ended_last_before_them() -> None:
+    ms = 1_000_000
+    events = [
+        (0, 10 * ms, "fusion.1"),
+        (2 * ms, 12 * ms, "te_grouped_gemm_ffi.3"),  # another stream, ends last: the 2 ms gap is its
+        (14 * ms, 15 * ms, "te_grouped_gemm_ffi.7"),
+        (16 * ms, 17 * ms, "command_buffer_12"),  # 1 ms after te_grouped_gemm_ffi.7
+        (16 * ms, 16 * ms + ms // 2, "fusion.2"),  # inside the command buffer's span: no gap
+        (500 * ms, 501 * ms, "fusion.3"),  # 483 ms: the profiler, not the step
+        (501 * ms + ms // 4, 502 * ms, "fusion.4"),
+    ]
+    gaps = profile.gaps_after(events, cap_ns=100 * ms)
+    assert list(gaps) == ["te_grouped_gemm_ffi", "fusion"]
+    assert gaps["te_grouped_gemm_ffi"] == (3.0, 2)
+    assert gaps["fusion"] == (0.25, 1)
+    assert profile.gaps_after([], cap_ns=ms) == {}
