@@ -145,7 +145,7 @@ def gaps_after(events: list[tuple[int, int, str]], cap_ns: int) -> dict[str, tup
 
     `events` are (start, end, op) of every kernel of the device, on any stream; the device is idle where none
     runs. Ops are named without their instance number (`te_grouped_gemm_ffi.12` -> `te_grouped_gemm_ffi`), so
-    the 30 calls of one kind add up. Gaps of `cap_ns` or more are left out."""
+    the calls of one kind add up. Gaps of `cap_ns` or more are left out."""
     out: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
     reach, last_op = None, ""
     for start, end, op in sorted(events):
