@@ -128,33 +128,38 @@ def category(kernel: str, hlo_op: str) -> str:
     return next((name for name, keys in CATEGORIES if any(k in text for k in keys)), "other (fusions, sort, ...)")
 
 
+def idle_gaps(events: list[tuple[int, int, str]]) -> list[tuple[int, str]]:
+    """Each stretch with no kernel running, in time order: (its length in ns, the op whose kernel ended last
+    before it). `events` are (start, end, op) of every kernel of one device, on any stream."""
+    gaps, reach, last_op = [], None, ""
+    for start, end, op in sorted(events):
+        if reach is not None and start > reach:
+            gaps.append((start - reach, last_op))
+        if reach is None or end > reach:
+            reach, last_op = end, op
+    return gaps
+
+
 def busy_ns(intervals: list[tuple[int, int]]) -> int:
     """Time covered by at least one of the (start, end) intervals: kernels on several streams overlap, so
     their summed durations can exceed the time the device had work."""
-    covered, reach = 0, None
-    for start, end in sorted(intervals):
-        if reach is None or start > reach:
-            covered, reach = covered + end - start, end
-        elif end > reach:
-            covered, reach = covered + end - reach, end
-    return covered
+    if not intervals:
+        return 0
+    span = max(e for _, e in intervals) - min(s for s, _ in intervals)
+    return span - sum(gap for gap, _ in idle_gaps([(s, e, "") for s, e in intervals]))
 
 
 def gaps_after(events: list[tuple[int, int, str]], cap_ns: int) -> dict[str, tuple[float, int]]:
     """Idle time on one device, by the op whose kernel ended last before each gap: {op: (ms, gaps)}.
 
-    `events` are (start, end, op) of every kernel of the device, on any stream; the device is idle where none
-    runs. Ops are named without their instance number (`te_grouped_gemm_ffi.12` -> `te_grouped_gemm_ffi`), so
-    the calls of one kind add up. Gaps of `cap_ns` or more are left out."""
+    Ops are named without their instance number (`te_grouped_gemm_ffi.12` -> `te_grouped_gemm_ffi`), so the
+    calls of one kind add up. Gaps of `cap_ns` or more are left out."""
     out: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
-    reach, last_op = None, ""
-    for start, end, op in sorted(events):
-        if reach is not None and start > reach and start - reach < cap_ns:
-            row = out[last_op]
-            row[0] += (start - reach) / 1e6
+    for gap, op in idle_gaps(events):
+        if gap < cap_ns:
+            row = out[_NUMBERED.sub("", op) or "(no hlo_op)"]
+            row[0] += gap / 1e6
             row[1] += 1
-        if reach is None or end > reach:
-            reach, last_op = end, _NUMBERED.sub("", op) or "(no hlo_op)"
     return {op: (ms, int(n)) for op, (ms, n) in sorted(out.items(), key=lambda kv: -kv[1][0])}
 
 
@@ -176,9 +181,9 @@ def summarize(trace: Path, top: int, hlo: Path | None = None) -> dict[str, Any]:
     first, last = float("inf"), 0.0
     per_plane = []
     idle_after: collections.Counter[str] = collections.Counter()
-    idle_gaps: collections.Counter[str] = collections.Counter()
+    gaps_per_op: collections.Counter[str] = collections.Counter()
     for plane in planes:
-        spans, events = [], []
+        events = []
         for line in plane.lines:
             for ev in line.events:
                 stats = dict(ev.stats)
@@ -191,12 +196,12 @@ def summarize(trace: Path, top: int, hlo: Path | None = None) -> dict[str, Any]:
                 by_cat[category(ev.name, op)] += ms
                 if names:
                     by_stage[stage(ev.name, op, op_name_of(ev.name, op, names))] += ms
-                spans.append((ev.start_ns, ev.start_ns + ev.duration_ns))
-                events.append((*spans[-1], op))
+                events.append((ev.start_ns, ev.start_ns + ev.duration_ns, op))
         if source == "GPU kernels":
             for op, (ms, n) in gaps_after(events, int(GAP_CAP_MS * 1e6)).items():
                 idle_after[op] += ms
-                idle_gaps[op] += n
+                gaps_per_op[op] += n
+        spans = [(start, end) for start, end, _ in events]
         if spans:
             first, last = min(first, min(s for s, _ in spans)), max(last, max(e for _, e in spans))
             span = max(e for _, e in spans) - min(s for s, _ in spans)
@@ -223,7 +228,7 @@ def summarize(trace: Path, top: int, hlo: Path | None = None) -> dict[str, Any]:
         "stages": by_stage.most_common(),
         "kernels": by_kernel.most_common(top),
         "hlo_ops": by_op.most_common(top),
-        "idle_after": [(op, ms, idle_gaps[op]) for op, ms in idle_after.most_common(top)],
+        "idle_after": [(op, ms, gaps_per_op[op]) for op, ms in idle_after.most_common(top)],
     }
 
 
