@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from maxtext_moe.errors import UserError
+from maxtext_moe.moe.layer import gate_logits
 from maxtext_moe.moe.routing import RoutingConfig, route, update_bias
 
 
@@ -86,6 +87,25 @@ def test_weights_are_differentiable_in_logits() -> None:
     logits = jax.random.normal(jax.random.key(4), (16, 8))
     g = jax.grad(lambda lg: (route(lg, jnp.zeros(8), cfg).weights * jnp.arange(2.0)).sum())(logits)
     assert np.isfinite(np.asarray(g)).all() and np.abs(np.asarray(g)).sum() > 0
+
+
+def test_gate_logits_are_exact_products_on_bf16_and_keep_the_split_dot_in_the_backward() -> None:
+    """The router's dot on BF16 activations and weights, as the recipes store them: its logits match a float64
+    product to float32 summation (a BF16 dot would be off by about 2e-3), and the forward dot and both of its
+    gradients' dots carry the split-BF16 algorithm, so that none falls back to a float32 dot on CUDA cores."""
+    kx, kw, kc = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, (512, 256), jnp.bfloat16)
+    w = (jax.random.normal(kw, (256, 16)) * 0.06).astype(jnp.bfloat16)
+    logits = np.asarray(gate_logits(x, w), np.float64)
+    exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    assert np.linalg.norm(logits - exact) / np.linalg.norm(exact) < 1e-6
+
+    def loss(x: jax.Array, w: jax.Array, cot: jax.Array) -> jax.Array:
+        return jnp.sum(jax.nn.sigmoid(gate_logits(x, w)) * cot)
+
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w, jax.random.normal(kc, (512, 16))).as_text()
+    assert hlo.count("stablehlo.dot_general") == 3
+    assert hlo.count("num_primitive_operations = 3") == 3
 
 
 def test_update_bias_sign_rule() -> None:
