@@ -193,6 +193,23 @@ def test_dense_benchmark_checks_each_projection_against_float32(tmp_path):
     assert all("unknown variant" in run["error"] for run in runs if run["variant"] == "nonesuch")
 
 
+def test_router_benchmark_checks_both_variants_against_float64(tmp_path):
+    """benchmarks/bench_router.py on the CPU at a small shape: the layer's router dot and the float32 dot at
+    HIGHEST each give logits equal to a float64 product to float32 summation and BF16-rounded gradients."""
+    out = tmp_path / "router.json"
+    args = ["--tokens", "256", "--width", "128", "--experts", "8", "--iters", "2", "--warmup", "1", "--out", str(out)]
+    r = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks/bench_router.py"), *args], capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [run["variant"] for run in result["runs"]] == ["layer", "f32_highest"]
+    assert all(run["rel_err_logits"] < 1e-6 for run in result["runs"])
+    assert all(max(run["rel_err_dx"], run["rel_err_dw"]) < 4e-3 for run in result["runs"])  # BF16 gradients
+    layer, highest = result["runs"]
+    assert result["layer_over_f32_highest"] == pytest.approx(layer["median_ms"] / highest["median_ms"])
+
+
 def test_attention_reference_is_causal():
     """The yardstick masks the future: changing the last key and value moves only the last query's output."""
     import jax
