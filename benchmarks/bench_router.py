@@ -5,10 +5,9 @@ Why: the router's logits are float32 so that near-ties route alike everywhere, a
 on a GPU's CUDA cores rather than its tensor cores. The step runs this GEMM forward, again in its
 rematerialization, and for both gradients, in every MoE layer; `bench --profile` pools it with the dense GEMMs.
 This script times one layer's worth at the proxy's token count, each variant checked first against a float64
-product of the same BF16 inputs (logits and both gradients; the gradients are BF16, as the
-layer's inputs).
+product of the same BF16 inputs: the logits, and both gradients (BF16, as the inputs they are the gradients of).
 
-`--tokens` and `--experts` shrink it for the CPU (the tests run it there).
+`--tokens`, `--width` and `--experts` shrink it for the CPU (the tests run it there).
 
     python benchmarks/bench_router.py --tokens 32768 --out router.json
 """
