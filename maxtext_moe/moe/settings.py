@@ -20,8 +20,9 @@ Block = Literal["maxtext", "ours"]
 Backend = Literal["ragged_dot", "tokamax", "te"]
 TeGemmPath = Literal["auto", "v1", "v2"]  # requested; gemm.TePath is the one chosen
 Fp8 = Literal["none", "current_scaling", "mxfp8"]
-# Who casts the expert operands to FP8 under current scaling: TE's grouped quantize, or XLA (`te_group_scales`).
-Fp8Cast = Literal["te", "xla"]
+# Who casts the expert operands to FP8 under current scaling: TE's grouped quantize, XLA, or XLA the weights and TE
+# the rows (`te_group_scales`).
+Fp8Cast = Literal["te", "xla", "xla_weights"]
 Exchange = Literal["auto", "all_to_all", "ragged_all_to_all", "nccl_ep"]
 # How one EP exchange is computed: the recipe's `exchange` resolved ("auto" is "all_to_all"), or the
 # all_gather emulation that the CPU reference runs under `vmap`. "nccl_ep" is TE's NCCL EP dispatch and

@@ -114,61 +114,92 @@ def ragged_transpose(q: jax.Array, group_sizes: jax.Array) -> jax.Array:
     return qt.reshape(-1).at[source.reshape(-1)].get(mode="promise_in_bounds", unique_indices=True)
 
 
+def _cast(x: jax.Array, quantizer, group_sizes: jax.Array | None, flatten_axis: int, scaling_mode):
+    """Current scaling's cast of `x` by XLA, in the layout TE's quantize writes, labelled `scaling_mode` (TE's
+    grouped GEMM wants one tensor-scaling label on both operands, and treats the two alike)."""
+    q = importlib.import_module(QUANTIZE)
+    axis = flatten_axis % x.ndim
+    m = x.size // int(np.prod(x.shape[axis:]))
+    amax = group_amax(x, group_sizes)
+    scale = jnp.concatenate(
+        [q.compute_scale_from_amax(amax[i : i + 1], quantizer.q_dtype, margin=0.0) for i in range(amax.shape[0])]
+    )
+    groups = amax.shape[0]
+    row_scale = jnp.repeat(scale, m // groups) if group_sizes is None else scale[row_groups(group_sizes, m)]
+    top = float(jnp.finfo(quantizer.q_dtype).max)
+    rows = x.reshape(m, -1).astype(jnp.float32) * row_scale[:, None]
+    data = jnp.clip(rows, -top, top).astype(quantizer.q_dtype)
+    if group_sizes is None:
+        colwise = jnp.swapaxes(data.reshape(groups, m // groups, -1), 1, 2).reshape(-1)
+        scale_inv = 1.0 / scale
+    else:
+        colwise = ragged_transpose(data, group_sizes)
+        # TE's quantize stores the scales of the non-empty groups only, in order, and its GEMM reads them so
+        scale_inv = (1.0 / scale)[jnp.argsort(group_sizes == 0, stable=True)]
+    layout = quantizer.q_layout
+    return q.ScaledTensorFactory.create(
+        data=data.reshape(-1) if layout.has_rowwise else jnp.zeros((1,), quantizer.q_dtype),
+        scale_inv=scale_inv,
+        colwise_data=colwise if layout.has_colwise else jnp.zeros((1,), quantizer.q_dtype),
+        colwise_scale_inv=scale_inv,
+        scaling_mode=scaling_mode,
+        dq_dtype=x.dtype,
+        q_layout=layout,
+        data_layout=quantizer.get_data_layout(),
+        flatten_axis=flatten_axis,
+        first_dims=group_sizes,
+        original_shape=x.shape,
+    )
+
+
+def _by_xla(x, quantizer) -> bool:
+    """Whether XLA can cast `x` for `quantizer`: current scaling, and under 2^31 elements (the uint32
+    arithmetic of `ragged_transpose`)."""
+    current = importlib.import_module(QUANTIZE).ScalingMode.CURRENT_TENSOR_SCALING
+    return quantizer is not None and quantizer.scaling_mode == current and isinstance(x, jax.Array) and x.size < 2**31
+
+
 def xla_cast(grouped_quantize: Callable) -> Callable:
     """`grouped_quantize` with current scaling done by XLA; tensors of 2^31 elements or more go to TE's cast
     with `scatter_free` scales, other modes to TE's function unchanged."""
-    q = importlib.import_module(QUANTIZE)
-    current = q.ScalingMode.CURRENT_TENSOR_SCALING
     large = scatter_free(grouped_quantize)
 
     def quantize(x, quantizer, group_sizes=None, flatten_axis=-1):
-        if quantizer is None or quantizer.scaling_mode != current or not isinstance(x, jax.Array):
-            return grouped_quantize(x, quantizer, group_sizes, flatten_axis)
-        if x.size >= 2**31:
+        if not _by_xla(x, quantizer):
             return large(x, quantizer, group_sizes, flatten_axis)
-        axis = flatten_axis % x.ndim
-        m = x.size // int(np.prod(x.shape[axis:]))
-        amax = group_amax(x, group_sizes)
-        scale = jnp.concatenate(
-            [q.compute_scale_from_amax(amax[i : i + 1], quantizer.q_dtype, margin=0.0) for i in range(amax.shape[0])]
-        )
-        groups = amax.shape[0]
-        row_scale = jnp.repeat(scale, m // groups) if group_sizes is None else scale[row_groups(group_sizes, m)]
-        top = float(jnp.finfo(quantizer.q_dtype).max)
-        rows = x.reshape(m, -1).astype(jnp.float32) * row_scale[:, None]
-        data = jnp.clip(rows, -top, top).astype(quantizer.q_dtype)
-        if group_sizes is None:
-            colwise = jnp.swapaxes(data.reshape(groups, m // groups, -1), 1, 2).reshape(-1)
-            scale_inv = 1.0 / scale
-        else:
-            colwise = ragged_transpose(data, group_sizes)
-            # TE's quantize stores the scales of the non-empty groups only, in order, and its GEMM reads them so
-            scale_inv = (1.0 / scale)[jnp.argsort(group_sizes == 0, stable=True)]
-        layout = quantizer.q_layout
-        return q.ScaledTensorFactory.create(
-            data=data.reshape(-1) if layout.has_rowwise else jnp.zeros((1,), quantizer.q_dtype),
-            scale_inv=scale_inv,
-            colwise_data=colwise if layout.has_colwise else jnp.zeros((1,), quantizer.q_dtype),
-            colwise_scale_inv=scale_inv,
-            scaling_mode=quantizer.scaling_mode,
-            dq_dtype=x.dtype,
-            q_layout=layout,
-            data_layout=quantizer.get_data_layout(),
-            flatten_axis=flatten_axis,
-            first_dims=group_sizes,
-            original_shape=x.shape,
-        )
+        return _cast(x, quantizer, group_sizes, flatten_axis, quantizer.scaling_mode)
+
+    quantize.wrapped = grouped_quantize
+    return quantize
+
+
+def xla_weights(grouped_quantize: Callable) -> Callable:
+    """`grouped_quantize` with the weights (no group sizes) cast by `xla_cast` and the rows by TE with
+    `scatter_free` scales.
+
+    Why: every TE grouped quantize call, a weight's too, copies its group sizes to the host and synchronises the
+    stream (two weight casts per expert layer forward). A weight's cast in XLA needs no ragged layout (each
+    expert's [K, N] block transposed as a whole), so it adds none of the memory the rows' `ragged_transpose`
+    does, which kept `xla_cast` from fitting the FP8 recipe's batch."""
+    rows = scatter_free(grouped_quantize)
+    delayed = importlib.import_module(QUANTIZE).ScalingMode.DELAYED_TENSOR_SCALING
+
+    def quantize(x, quantizer, group_sizes=None, flatten_axis=-1):
+        if group_sizes is not None or not _by_xla(x, quantizer):
+            return rows(x, quantizer, group_sizes, flatten_axis)
+        # labelled as `scatter_free` labels the rows TE casts
+        return _cast(x, quantizer, None, flatten_axis, delayed)
 
     quantize.wrapped = grouped_quantize
     return quantize
 
 
 def install(cast: Fp8Cast = "te") -> None:
-    """Route TE's grouped current-scaling quantize through `xla_cast` (`cast` "xla") or `scatter_free` ("te"),
-    from now on in this process."""
+    """Route TE's grouped current-scaling quantize through `xla_cast` (`cast` "xla"), `xla_weights`
+    ("xla_weights") or `scatter_free` ("te"), from now on in this process."""
     extensions = importlib.import_module(EXTENSIONS)
     current = extensions.grouped_quantize
     if getattr(current, "cast", None) != cast:
-        wrap = {"xla": xla_cast, "te": scatter_free}[cast]
+        wrap = {"xla": xla_cast, "xla_weights": xla_weights, "te": scatter_free}[cast]
         extensions.grouped_quantize = wrap(getattr(current, "wrapped", current))
         extensions.grouped_quantize.cast = cast
