@@ -19,7 +19,7 @@ alike). Every other mode goes to TE's function unchanged.
 
 Process-wide once installed (TE's backward rules call `grouped_quantize` while JAX transposes the step, after
 our layer's code has returned), which is harmless: values are unchanged for every caller. A run asks for one
-cast (`moe.fp8_cast`); `install` with the other replaces the wrapper.
+cast (`moe.fp8_cast`); `install` with another replaces the wrapper.
 """
 
 from __future__ import annotations
