@@ -174,8 +174,8 @@ def xla_cast(grouped_quantize: Callable) -> Callable:
 
 
 def xla_weights(grouped_quantize: Callable) -> Callable:
-    """`grouped_quantize` with the weights (no group sizes) cast by `xla_cast` and the rows by TE with
-    `scatter_free` scales.
+    """`grouped_quantize` with the weights (no group sizes) cast by XLA as `xla_cast` casts them, and the rows by
+    TE with `scatter_free` scales.
 
     Why: every TE grouped quantize call, a weight's too, copies its group sizes to the host and synchronises the
     stream (two weight casts per expert layer forward). A weight's cast in XLA needs no ragged layout (each
