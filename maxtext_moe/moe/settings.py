@@ -261,7 +261,8 @@ class ExpertPath:
 
     backend        grouped-GEMM kernel (`gemm.grouped_matmul`)
     fp8            FP8 expert GEMMs ("current_scaling", "mxfp8": backend te only)
-    fp8_cast       who casts the operands under current scaling: TE's grouped quantize or XLA
+    fp8_cast       who casts the operands under current scaling: TE's grouped quantize, XLA, or XLA the
+                   weights and TE the rows
     exchange       how an EP exchange runs (`exchange.exchange`), or "nccl_ep" (`nccl_ep.routed`)
     buffer_factor  EP receive buffer, MaxText's `ragged_buffer_factor` (<= 0: the dropless worst case)
     dedup          send a token once per destination rank (ours), not once per chosen expert (MaxText's)
