@@ -110,7 +110,7 @@ def _te_fp8(
     The dtypes are given explicitly: built from the scaling mode alone, TE's quantizer set does not run
     on Hopper. Groups are padded around the call (`align.aligned`) to the rows the mode needs, unless the
     caller has padded them (`groups_aligned`). `cast`: who casts the operands under current scaling (TE's
-    grouped quantize, XLA, or XLA the weights and TE the rows: `upstream/te_group_scales.py`).
+    grouped quantize or XLA: `upstream/te_group_scales.py`).
     """
     quantize = importlib.import_module("transformer_engine.jax.quantize")
     mxfp8 = mode == "mxfp8"
@@ -152,7 +152,7 @@ def grouped_matmul(
     `_tail_guarded`. With the default the caller promises they sum to M (the one-device layer).
     `groups_aligned=True`: the caller has padded every group to `group_align(fp8)` rows and the groups cover
     all M rows, so an FP8 GEMM needs no padding of its own (several GEMMs on the same rows pad them once).
-    `fp8_cast`: who casts the operands under current scaling ("te", "xla" or "xla_weights", see `_te_fp8`).
+    `fp8_cast`: who casts the operands under current scaling ("te" or "xla", see `_te_fp8`).
     """
     if fp8 not in FP8_MODES:
         raise UserError(f"unknown FP8 mode {fp8!r} for the expert GEMMs.", fix=f"choose one of {', '.join(FP8_MODES)}.")

@@ -20,9 +20,8 @@ Block = Literal["maxtext", "ours"]
 Backend = Literal["ragged_dot", "tokamax", "te"]
 TeGemmPath = Literal["auto", "v1", "v2"]  # requested; gemm.TePath is the one chosen
 Fp8 = Literal["none", "current_scaling", "mxfp8"]
-# Who casts the expert operands to FP8 under current scaling: TE's grouped quantize, XLA, or XLA the weights and TE
-# the rows (`te_group_scales`).
-Fp8Cast = Literal["te", "xla", "xla_weights"]
+# Who casts the expert operands to FP8 under current scaling: TE's grouped quantize or XLA (`te_group_scales`).
+Fp8Cast = Literal["te", "xla"]
 Exchange = Literal["auto", "all_to_all", "ragged_all_to_all", "nccl_ep"]
 # How one EP exchange is computed: the recipe's `exchange` resolved ("auto" is "all_to_all"), or the
 # all_gather emulation that the CPU reference runs under `vmap`. "nccl_ep" is TE's NCCL EP dispatch and
@@ -261,8 +260,7 @@ class ExpertPath:
 
     backend        grouped-GEMM kernel (`gemm.grouped_matmul`)
     fp8            FP8 expert GEMMs ("current_scaling", "mxfp8": backend te only)
-    fp8_cast       who casts the operands under current scaling: TE's grouped quantize, XLA, or XLA the
-                   weights and TE the rows
+    fp8_cast       who casts the operands under current scaling: TE's grouped quantize or XLA
     exchange       how an EP exchange runs (`exchange.exchange`), or "nccl_ep" (`nccl_ep.routed`)
     buffer_factor  EP receive buffer, MaxText's `ragged_buffer_factor` (<= 0: the dropless worst case)
     dedup          send a token once per destination rank (ours), not once per chosen expert (MaxText's)

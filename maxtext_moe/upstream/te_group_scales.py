@@ -114,9 +114,8 @@ def ragged_transpose(q: jax.Array, group_sizes: jax.Array) -> jax.Array:
     return qt.reshape(-1).at[source.reshape(-1)].get(mode="promise_in_bounds", unique_indices=True)
 
 
-def _cast(x: jax.Array, quantizer, group_sizes: jax.Array | None, flatten_axis: int, scaling_mode):
-    """Current scaling's cast of `x` by XLA, in the layout TE's quantize writes, labelled `scaling_mode` (TE's
-    grouped GEMM wants one tensor-scaling label on both operands, and treats the two alike)."""
+def _cast(x: jax.Array, quantizer, group_sizes: jax.Array | None, flatten_axis: int):
+    """Current scaling's cast of `x` by XLA, in the layout TE's quantize writes."""
     q = importlib.import_module(QUANTIZE)
     axis = flatten_axis % x.ndim
     m = x.size // int(np.prod(x.shape[axis:]))
@@ -142,7 +141,7 @@ def _cast(x: jax.Array, quantizer, group_sizes: jax.Array | None, flatten_axis: 
         scale_inv=scale_inv,
         colwise_data=colwise if layout.has_colwise else jnp.zeros((1,), quantizer.q_dtype),
         colwise_scale_inv=scale_inv,
-        scaling_mode=scaling_mode,
+        scaling_mode=quantizer.scaling_mode,
         dq_dtype=x.dtype,
         q_layout=layout,
         data_layout=quantizer.get_data_layout(),
@@ -167,39 +166,18 @@ def xla_cast(grouped_quantize: Callable) -> Callable:
     def quantize(x, quantizer, group_sizes=None, flatten_axis=-1):
         if not _by_xla(x, quantizer):
             return large(x, quantizer, group_sizes, flatten_axis)
-        return _cast(x, quantizer, group_sizes, flatten_axis, quantizer.scaling_mode)
-
-    quantize.wrapped = grouped_quantize
-    return quantize
-
-
-def xla_weights(grouped_quantize: Callable) -> Callable:
-    """`grouped_quantize` with the weights (no group sizes) cast by XLA as `xla_cast` casts them, and the rows by
-    TE with `scatter_free` scales.
-
-    Why: every TE grouped quantize call, a weight's too, copies its group sizes to the host and synchronises the
-    stream (two weight casts per expert layer forward). A weight's cast in XLA needs no ragged layout (each
-    expert's [K, N] block transposed as a whole), so it adds none of the memory the rows' `ragged_transpose`
-    does, which kept `xla_cast` from fitting the FP8 recipe's batch."""
-    rows = scatter_free(grouped_quantize)
-    delayed = importlib.import_module(QUANTIZE).ScalingMode.DELAYED_TENSOR_SCALING
-
-    def quantize(x, quantizer, group_sizes=None, flatten_axis=-1):
-        if group_sizes is not None or not _by_xla(x, quantizer):
-            return rows(x, quantizer, group_sizes, flatten_axis)
-        # labelled as `scatter_free` labels the rows TE casts
-        return _cast(x, quantizer, None, flatten_axis, delayed)
+        return _cast(x, quantizer, group_sizes, flatten_axis)
 
     quantize.wrapped = grouped_quantize
     return quantize
 
 
 def install(cast: Fp8Cast = "te") -> None:
-    """Route TE's grouped current-scaling quantize through `xla_cast` (`cast` "xla"), `xla_weights`
-    ("xla_weights") or `scatter_free` ("te"), from now on in this process."""
+    """Route TE's grouped current-scaling quantize through `xla_cast` (`cast` "xla") or `scatter_free` ("te"),
+    from now on in this process."""
     extensions = importlib.import_module(EXTENSIONS)
     current = extensions.grouped_quantize
     if getattr(current, "cast", None) != cast:
-        wrap = {"xla": xla_cast, "xla_weights": xla_weights, "te": scatter_free}[cast]
+        wrap = {"xla": xla_cast, "te": scatter_free}[cast]
         extensions.grouped_quantize = wrap(getattr(current, "wrapped", current))
         extensions.grouped_quantize.cast = cast

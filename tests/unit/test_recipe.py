@@ -377,15 +377,12 @@ def test_moe_fp8_needs_te_and_fp8_hardware():
 def test_moe_fp8_cast_applies_to_current_scaling_only():
     proxy = "deepseek3-proxy-h200-1gpu"
     r = compose_resolve(proxy, "moe.fp8=current_scaling", "moe.fp8_cast=xla")
-    assert (
-        compose_resolve(proxy, "moe.fp8=current_scaling", "moe.fp8_cast=xla_weights").moe["fp8_cast"] == "xla_weights"
-    )
     assert r.moe["fp8_cast"] == "xla" and compose_resolve(proxy).moe["fp8_cast"] == "te"
     assert (
         "command line: moe.fp8_cast: is xla, which casts the expert operands of TE's per-tensor current scaling, "
         "and moe.fp8 is none. Fix: set moe.fp8: current_scaling, or remove moe.fp8_cast."
     ) in error_of(proxy, "moe.fp8_cast=xla")
-    assert "moe.fp8_cast: must be one of te, xla, xla_weights, got 'cuda'." in error_of(proxy, "moe.fp8_cast=cuda")
+    assert "moe.fp8_cast: must be one of te, xla, got 'cuda'." in error_of(proxy, "moe.fp8_cast=cuda")
 
 
 def test_advice_names_the_scanned_te_step_whose_slice_fusion_runs_gemms_twice():

@@ -61,11 +61,9 @@ def test_install_switches_between_the_casts(monkeypatch: pytest.MonkeyPatch) -> 
     """`install` wraps TE's own function each time, never a wrapper of a wrapper, and keeps the one asked for."""
     own = lambda *args, **kwargs: "te's own"  # noqa: E731
     extensions = types.SimpleNamespace(grouped_quantize=own)
-    quantize = types.SimpleNamespace(
-        ScalingMode=types.SimpleNamespace(CURRENT_TENSOR_SCALING="current", DELAYED_TENSOR_SCALING="delayed")
-    )
+    quantize = types.SimpleNamespace(ScalingMode=types.SimpleNamespace(CURRENT_TENSOR_SCALING="current"))
     monkeypatch.setitem(sys.modules, te_group_scales.EXTENSIONS, extensions)
     monkeypatch.setitem(sys.modules, te_group_scales.QUANTIZE, quantize)
-    for cast in ("te", "xla", "xla", "xla_weights", "te"):
+    for cast in ("te", "xla", "xla", "te"):
         te_group_scales.install(cast)
         assert extensions.grouped_quantize.cast == cast and extensions.grouped_quantize.wrapped is own
