@@ -110,8 +110,8 @@ class BenchResult:
                 if p["span_ms"]
             ]
             rows += [
-                (f"  idle after {op}", f"{ms / len(PROFILED_STEPS):.1f} ms/step in {n // len(PROFILED_STEPS)} gaps")
-                for op, ms, n in self.profile.get("idle_after", [])[:8]
+                (f"  idle {gap}", f"{ms / len(PROFILED_STEPS):.1f} ms/step in {n // len(PROFILED_STEPS)} gaps")
+                for gap, ms, n in self.profile.get("idle_after", [])[:8]
             ]
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)

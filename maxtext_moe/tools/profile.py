@@ -16,8 +16,9 @@ differentiated model) and communication. Idle time is left to the caller, who kn
 the traced span can hold the profiler's own start and stop (`bench` measured one 20 s longer than the
 two steps it traced). Where the device ran dry is listed, though: each gap between kernels on a GPU, up to
 `GAP_CAP_MS` (longer ones are the profiler's own), is put down to the HLO op whose kernel ended last before
-it. A TE custom call that copies its group sizes to the host and waits for the stream leaves such a gap
-behind it, which the kernel table cannot show.
+it and the one whose kernel started it, each with its program where the two programs differ (a gap between
+the step and another jitted call). A TE custom call that copies its group sizes to the host and waits for the
+stream leaves such a gap behind it, which the kernel table cannot show.
 
     python -m maxtext_moe.tools.profile runs/RUN --top 25 --out summary.json
 """
@@ -128,15 +129,19 @@ def category(kernel: str, hlo_op: str) -> str:
     return next((name for name, keys in CATEGORIES if any(k in text for k in keys)), "other (fusions, sort, ...)")
 
 
-def idle_gaps(events: list[tuple[int, int, str]]) -> list[tuple[int, str]]:
-    """Each stretch with no kernel running, in time order: (its length in ns, the op whose kernel ended last
-    before it). `events` are (start, end, op) of every kernel of one device, on any stream."""
-    gaps, reach, last_op = [], None, ""
-    for start, end, op in sorted(events):
-        if reach is not None and start > reach:
-            gaps.append((start - reach, last_op))
-        if reach is None or end > reach:
-            reach, last_op = end, op
+Event = tuple[int, int, str, str]  # a kernel's start and end (ns), its HLO op and its HLO module
+
+
+def idle_gaps(events: list[Event]) -> list[tuple[int, Event, Event]]:
+    """Each stretch with no kernel running, in time order: (its length in ns, the kernel that ended last before
+    it, the kernel that ended it). `events` are every kernel of one device, on any stream."""
+    gaps, reach, last = [], None, None
+    for event in sorted(events):
+        start, end = event[0], event[1]
+        if last is not None and start > reach:
+            gaps.append((start - reach, last, event))
+        if last is None or end > reach:
+            reach, last = end, event
     return gaps
 
 
@@ -146,18 +151,26 @@ def busy_ns(intervals: list[tuple[int, int]]) -> int:
     if not intervals:
         return 0
     span = max(e for _, e in intervals) - min(s for s, _ in intervals)
-    return span - sum(gap for gap, _ in idle_gaps([(s, e, "") for s, e in intervals]))
+    return span - sum(gap for gap, _, _ in idle_gaps([(s, e, "", "") for s, e in intervals]))
 
 
-def gaps_after(events: list[tuple[int, int, str]], cap_ns: int) -> dict[str, tuple[float, int]]:
-    """Idle time on one device, by the op whose kernel ended last before each gap: {op: (ms, gaps)}.
+def gap_name(before: Event, after: Event) -> str:
+    """`OP -> OP` for a gap between two kernels, each op without its instance number
+    (`te_grouped_gemm_ffi.12` -> `te_grouped_gemm_ffi`, so that the calls of one kind add up), and each with its
+    HLO module where the two modules differ."""
+    ops = [_NUMBERED.sub("", e[2]) or "(no hlo_op)" for e in (before, after)]
+    if before[3] != after[3]:
+        ops = [f"{op} ({e[3] or 'no module'})" for op, e in zip(ops, (before, after), strict=True)]
+    return " -> ".join(ops)
 
-    Ops are named without their instance number (`te_grouped_gemm_ffi.12` -> `te_grouped_gemm_ffi`), so the
-    calls of one kind add up. Gaps of `cap_ns` or more are left out."""
+
+def gaps_after(events: list[Event], cap_ns: int) -> dict[str, tuple[float, int]]:
+    """Idle time on one device, by the ops on either side of each gap (`gap_name`): {name: (ms, gaps)}. Gaps of
+    `cap_ns` or more are left out."""
     out: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
-    for gap, op in idle_gaps(events):
+    for gap, before, after in idle_gaps(events):
         if gap < cap_ns:
-            row = out[_NUMBERED.sub("", op) or "(no hlo_op)"]
+            row = out[gap_name(before, after)]
             row[0] += gap / 1e6
             row[1] += 1
     return {op: (ms, int(n)) for op, (ms, n) in sorted(out.items(), key=lambda kv: -kv[1][0])}
@@ -196,12 +209,12 @@ def summarize(trace: Path, top: int, hlo: Path | None = None) -> dict[str, Any]:
                 by_cat[category(ev.name, op)] += ms
                 if names:
                     by_stage[stage(ev.name, op, op_name_of(ev.name, op, names))] += ms
-                events.append((ev.start_ns, ev.start_ns + ev.duration_ns, op))
+                events.append((ev.start_ns, ev.start_ns + ev.duration_ns, op, str(stats.get("hlo_module", ""))))
         if source == "GPU kernels":
             for op, (ms, n) in gaps_after(events, int(GAP_CAP_MS * 1e6)).items():
                 idle_after[op] += ms
                 gaps_per_op[op] += n
-        spans = [(start, end) for start, end, _ in events]
+        spans = [(e[0], e[1]) for e in events]
         if spans:
             first, last = min(first, min(s for s, _ in spans)), max(last, max(e for _, e in spans))
             span = max(e for _, e in spans) - min(s for s, _ in spans)
@@ -250,7 +263,7 @@ def render(s: dict[str, Any]) -> str:
         lines += [f"{ms:>10.2f} {ms / s['total_ms']:>6.1%}  {name[:110]}" for name, ms in rows]
         lines.append("")
     if s.get("idle_after"):
-        lines.append(f"{'ms':>10} {'gaps':>6}  device idle after (gaps under {GAP_CAP_MS:.0f} ms)")
+        lines.append(f"{'ms':>10} {'gaps':>6}  device idle between (gaps under {GAP_CAP_MS:.0f} ms)")
         lines += [f"{ms:>10.2f} {n:>6}  {op[:110]}" for op, ms, n in s["idle_after"]]
         lines.append("")
     return "\n".join(lines)

@@ -73,19 +73,28 @@ def test_tes_single_kernel_grouped_gemm_inside_a_command_buffer_counts_as_expert
     assert profile.stage("nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_TNN", "command_buffer_849", "") == "dense GEMMs"
 
 
-def test_idle_gaps_are_put_down_to_the_op_that_ended_last_before_them() -> None:
+def test_idle_gaps_are_put_down_to_the_ops_on_either_side() -> None:
+    """A gap is named by the op that ended last before it and the op that ended it, and by their programs where
+    those differ: TE's host round trips inside the step read apart from the gaps between the step and another
+    jitted call."""
     ms = 1_000_000
+    step = "jit_train_step"
     events = [
-        (0, 10 * ms, "fusion.1"),
-        (2 * ms, 12 * ms, "te_grouped_gemm_ffi.3"),  # another stream, ends last: the 2 ms gap is its
-        (14 * ms, 15 * ms, "te_grouped_gemm_ffi.7"),
-        (16 * ms, 17 * ms, "command_buffer_12"),  # 1 ms after te_grouped_gemm_ffi.7
-        (16 * ms, 16 * ms + ms // 2, "fusion.2"),  # inside the command buffer's span: no gap
-        (500 * ms, 501 * ms, "fusion.3"),  # 483 ms: the profiler, not the step
-        (501 * ms + ms // 4, 502 * ms, "fusion.4"),
+        (0, 10 * ms, "fusion.1", step),
+        (2 * ms, 12 * ms, "te_grouped_gemm_ffi.3", step),  # another stream, ends last: the 2 ms gap is its
+        (14 * ms, 15 * ms, "te_grouped_gemm_ffi.7", step),
+        (16 * ms, 17 * ms, "command_buffer_12", step),  # 1 ms after te_grouped_gemm_ffi.7
+        (16 * ms + ms // 10, 16 * ms + ms // 2, "fusion.2", step),  # inside the command buffer's span: no gap
+        (20 * ms, 21 * ms, "copy.4", "jit_batch"),  # 3 ms: between the step and another program
+        (500 * ms, 501 * ms, "fusion.3", step),  # 479 ms: the profiler, not the step
+        (501 * ms + ms // 4, 502 * ms, "fusion.4", step),
     ]
     gaps = profile.gaps_after(events, cap_ns=100 * ms)
-    assert list(gaps) == ["te_grouped_gemm_ffi", "fusion"]
-    assert gaps["te_grouped_gemm_ffi"] == (3.0, 2)
-    assert gaps["fusion"] == (0.25, 1)
+    assert gaps == {
+        "command_buffer (jit_train_step) -> copy (jit_batch)": (3.0, 1),
+        "te_grouped_gemm_ffi -> te_grouped_gemm_ffi": (2.0, 1),
+        "te_grouped_gemm_ffi -> command_buffer": (1.0, 1),
+        "fusion -> fusion": (0.25, 1),
+    }
+    assert list(gaps)[0].startswith("command_buffer")  # the largest first
     assert profile.gaps_after([], cap_ns=ms) == {}
