@@ -194,7 +194,7 @@ def summarize(trace: Path, top: int, hlo: Path | None = None) -> dict[str, Any]:
     first, last = float("inf"), 0.0
     per_plane = []
     idle_after: collections.Counter[str] = collections.Counter()
-    gaps_per_op: collections.Counter[str] = collections.Counter()
+    gaps_per_name: collections.Counter[str] = collections.Counter()
     for plane in planes:
         events = []
         for line in plane.lines:
@@ -211,9 +211,9 @@ def summarize(trace: Path, top: int, hlo: Path | None = None) -> dict[str, Any]:
                     by_stage[stage(ev.name, op, op_name_of(ev.name, op, names))] += ms
                 events.append((ev.start_ns, ev.start_ns + ev.duration_ns, op, str(stats.get("hlo_module", ""))))
         if source == "GPU kernels":
-            for op, (ms, n) in gaps_after(events, int(GAP_CAP_MS * 1e6)).items():
-                idle_after[op] += ms
-                gaps_per_op[op] += n
+            for gap, (ms, n) in gaps_after(events, int(GAP_CAP_MS * 1e6)).items():
+                idle_after[gap] += ms
+                gaps_per_name[gap] += n
         spans = [(e[0], e[1]) for e in events]
         if spans:
             first, last = min(first, min(s for s, _ in spans)), max(last, max(e for _, e in spans))
@@ -241,7 +241,7 @@ def summarize(trace: Path, top: int, hlo: Path | None = None) -> dict[str, Any]:
         "stages": by_stage.most_common(),
         "kernels": by_kernel.most_common(top),
         "hlo_ops": by_op.most_common(top),
-        "idle_after": [(op, ms, gaps_per_op[op]) for op, ms in idle_after.most_common(top)],
+        "idle_after": [(gap, ms, gaps_per_name[gap]) for gap, ms in idle_after.most_common(top)],
     }
 
 
@@ -264,7 +264,7 @@ def render(s: dict[str, Any]) -> str:
         lines.append("")
     if s.get("idle_after"):
         lines.append(f"{'ms':>10} {'gaps':>6}  device idle between (gaps under {GAP_CAP_MS:.0f} ms)")
-        lines += [f"{ms:>10.2f} {n:>6}  {op[:110]}" for op, ms, n in s["idle_after"]]
+        lines += [f"{ms:>10.2f} {n:>6}  {gap[:110]}" for gap, ms, n in s["idle_after"]]
         lines.append("")
     return "\n".join(lines)
 
