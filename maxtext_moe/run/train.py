@@ -231,7 +231,7 @@ def _run(
                 resolved.corpus, source, corpus.default_dir(rp.output), log=out
             )
     with _maxtext_logging(proc.per_process(rp.log), verbose):
-        from maxtext_moe.upstream import balance_metrics, bf16_projections, mtp_quant
+        from maxtext_moe.upstream import balance_metrics, bf16_projections, mtp_quant, placeholder_constants
 
         if resolved.moe_settings.ours:  # before MaxText builds the model; after jax.distributed is up (TE probe)
             from maxtext_moe.upstream import deepseek_layer
@@ -256,6 +256,7 @@ def _run(
         remat_cse.install()  # before MaxText builds the model: full remat stays full under gradient accumulation
         mtp_quant.install()
         bf16_projections.install(resolved.attention["bf16_projections"])
+        placeholder_constants.install()  # XLA merges TE's casts of one tensor
         out(
             f"{resolved.name}: {config.num_decoder_layers} decoder layers, {resolved.topology.num_devices} device(s) "
             f"of {resolved.topology.hardware}, "

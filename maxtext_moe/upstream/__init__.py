@@ -23,6 +23,8 @@ Each module names the gap it fills. `SYMBOLS` lists what they touch, so that one
   is built, so that the MTP layer takes the decoder's quantization.
 - `bf16_projections`: rebinds `quantizations.TransformerEngineQuantization.dot_general_cls` and calls its `_wrap`,
   so that the MLA projections `attention.bf16_projections` names compute in BF16 under TE's FP8 recipes.
+- `placeholder_constants`: registers the GPU lowering of `lax.empty_p` (JAX's own `_empty_lower`, constant zeros, for
+  small arrays; its `_empty_custom_call_lower` for the rest), so that XLA merges TE's FP8 casts of one tensor.
 - `maxtext_config`: `pyconfig._initialize_pydantic`, MaxText's config model without its `sys.exit`.
 - `maxtext_errors`: unwraps the error `max_utils.transformer_engine_context` turns into a re-yield.
 - `te`: TE's `_v2_grouped_gemm_available` flag (grouped-GEMM path) and its JAX bindings.
@@ -106,6 +108,9 @@ SYMBOLS: tuple[tuple[str, str, str], ...] = (
     ("maxtext", "maxtext.checkpoint_conversion.utils.tensor_handling", "nesting_depth"),
     ("maxtext", "maxtext.checkpoint_conversion.utils.hf_model_configs", "deepseek3_671b_dict"),
     ("jax", "jax._src.dispatch", "prim_requires_devices_during_lowering"),
+    ("jax", "jax._src.lax.lax", "empty_p"),
+    ("jax", "jax._src.lax.lax", "_empty_lower"),
+    ("jax", "jax._src.lax.lax", "_empty_custom_call_lower"),
     ("orbax-checkpoint", "orbax.checkpoint.type_handlers", "NumpyHandler._open_and_write"),
     ("orbax-checkpoint", "orbax.checkpoint.type_handlers", "get_json_tspec_read"),
     ("orbax-checkpoint", "orbax.checkpoint.type_handlers", "get_ts_context"),
