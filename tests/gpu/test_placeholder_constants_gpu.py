@@ -1,6 +1,5 @@
 """With `placeholder_constants` installed, XLA keeps one TE FP8 cast of a tensor that two dense GEMMs read (MLA's
-wq_a and wkv_a, say), and the step computes the same values bit for bit as with the tensor cast twice. Needs a
-GPU."""
+wq_a and wkv_a, say), and the step computes the same values as with the tensor cast twice. Needs a GPU."""
 
 from __future__ import annotations
 
@@ -55,7 +54,9 @@ def test_one_cast_of_a_shared_input_and_the_same_values() -> None:
 
     loss, (dx, dwa, dwb) = shared(x, wa, wb)
     loss_apart, (dxa, dxb, dwa_apart, dwb_apart) = apart(x, x, wa, wb)
-    np.testing.assert_array_equal(np.asarray(loss), np.asarray(loss_apart))
+    # The weight gradients come from the same FP8 operands through the same GEMMs: equal bit for bit. The loss and
+    # the input's gradient add the two projections' parts in another program, whose sums may round apart.
     np.testing.assert_array_equal(np.asarray(dwa, np.float32), np.asarray(dwa_apart, np.float32))
     np.testing.assert_array_equal(np.asarray(dwb, np.float32), np.asarray(dwb_apart, np.float32))
-    np.testing.assert_array_equal(np.asarray(dx, np.float32), np.asarray(dxa + dxb, np.float32))
+    np.testing.assert_allclose(np.asarray(loss), np.asarray(loss_apart), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(dx, np.float32), np.asarray(dxa + dxb, np.float32), rtol=2**-7, atol=1e-5)
