@@ -15,13 +15,13 @@ from maxtext_moe.upstream import placeholder_constants
 SMALL, LARGE = (1, 1), (64, 4096)  # TE's Hadamard placeholder's shape; a buffer past MAX_ELEMENTS
 
 # Prints how many AllocateBuffer calls each empty lowers to for CUDA, with or without the module installed.
-PROBE = """
+PROBE = f"""
 import sys
 import jax, jax.numpy as jnp
 from maxtext_moe.upstream import placeholder_constants
 if sys.argv[1] == "installed":
     placeholder_constants.install()
-for shape in [(1, 1), (64, 4096)]:
+for shape in [{SMALL!r}, {LARGE!r}]:
     exported = jax.export.export(jax.jit(lambda: jnp.empty(shape, jnp.bfloat16)), platforms=["cuda"])()
     print(exported.mlir_module().count("@AllocateBuffer"))
 """
