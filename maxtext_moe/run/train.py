@@ -38,7 +38,7 @@ from maxtext_moe.run import (
 )
 from maxtext_moe.run.guard_counts import GuardCounts
 from maxtext_moe.run.progress import Progress, prints_to_log
-from maxtext_moe.upstream import maxtext_config, remat, remat_cse, step_hook, stop_metrics
+from maxtext_moe.upstream import maxtext_config, step_hook, stop_metrics
 
 
 class Stopped(Exception):
@@ -231,7 +231,7 @@ def _run(
                 resolved.corpus, source, corpus.default_dir(rp.output), log=out
             )
     with _maxtext_logging(proc.per_process(rp.log), verbose):
-        from maxtext_moe.upstream import balance_metrics, bf16_projections, mtp_quant, placeholder_constants
+        from maxtext_moe.upstream import balance_metrics, model_patches
 
         if resolved.moe_settings.ours:  # before MaxText builds the model; after jax.distributed is up (TE probe)
             from maxtext_moe.upstream import deepseek_layer
@@ -248,15 +248,7 @@ def _run(
             from maxtext_moe.upstream import skip_nonfinite
 
             skip_nonfinite.install()
-        remat.install(attention_residuals=resolved.attention["residuals"] == "save")
-        if resolved.attention["kernel"] == "fa3":
-            from maxtext_moe.upstream import fa3_attention
-
-            fa3_attention.install()
-        remat_cse.install()  # before MaxText builds the model: full remat stays full under gradient accumulation
-        mtp_quant.install()
-        bf16_projections.install(resolved.attention["bf16_projections"])
-        placeholder_constants.install()  # XLA merges TE's casts of one tensor
+        model_patches.install(resolved.attention)  # before MaxText builds the model
         out(
             f"{resolved.name}: {config.num_decoder_layers} decoder layers, {resolved.topology.num_devices} device(s) "
             f"of {resolved.topology.hardware}, "

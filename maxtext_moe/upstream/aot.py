@@ -97,29 +97,14 @@ def compile_step(request: dict[str, Any]) -> dict[str, Any]:
         from maxtext.utils import maxtext_utils, sharding
 
         from maxtext_moe.moe.settings import MoeSettings
-        from maxtext_moe.upstream import (
-            bf16_projections,
-            maxtext_config,
-            mtp_quant,
-            placeholder_constants,
-            remat,
-            remat_cse,
-        )
+        from maxtext_moe.upstream import maxtext_config, model_patches
 
         settings = MoeSettings.from_dict(request["moe"])
         if settings.ours:
             from maxtext_moe.upstream import deepseek_layer
 
             deepseek_layer.install(settings)
-        remat.install(attention_residuals=request["attention"].get("residuals") == "save")
-        if request["attention"].get("kernel") == "fa3":
-            from maxtext_moe.upstream import fa3_attention
-
-            fa3_attention.install()
-        remat_cse.install()
-        mtp_quant.install()
-        bf16_projections.install(request["attention"].get("bf16_projections", []))
-        placeholder_constants.install()
+        model_patches.install(request["attention"])
         config = maxtext_config.check(request["maxtext"], request["sources"])
         # MaxText's train sets the partitioner from its `shardy` key in main(), which this compile skips.
         jax.config.update("jax_use_shardy_partitioner", config.shardy)
